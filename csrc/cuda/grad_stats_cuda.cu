@@ -1,0 +1,114 @@
+// CUDA kernels of analyze_gradient, merge_gradient_stats and merge_gradient_stats_chunks.
+// One thread is one lane of Note [Canonical reduction order] (csrc/grad_stats.h); the
+// halving tree runs in shared memory with the same pairing as stats_tree(), so the bits
+// equal the CPU kernels'. No atomics.
+#include <cuda_runtime.h>
+
+#include <algorithm>
+
+#include "cuda_utils.cuh"
+#include "grad_stats.h"
+#include "kernels.h"
+
+namespace ruda {
+namespace {
+
+static_assert(kStatsLanes == 256, "one lane per thread of a 256-thread block");
+
+// Combines the block's lanes; the result is returned to thread 0.
+__device__ inline StatsRow block_tree(StatsRow mine) {
+  __shared__ float s_sum[kStatsLanes], s_max[kStatsLanes], s_cnt[kStatsLanes];
+  const int j = threadIdx.x;
+  s_sum[j] = mine.sum_sq;
+  s_max[j] = mine.max_abs;
+  s_cnt[j] = mine.nonfinite;
+  __syncthreads();
+  for (int s = kStatsLanes / 2; s > 0; s >>= 1) {
+    if (j < s) {
+      const StatsRow r =
+          stats_combine({s_sum[j], s_max[j], s_cnt[j]}, {s_sum[j + s], s_max[j + s], s_cnt[j + s]});
+      s_sum[j] = r.sum_sq;
+      s_max[j] = r.max_abs;
+      s_cnt[j] = r.nonfinite;
+    }
+    __syncthreads();
+  }
+  const StatsRow out = {s_sum[0], s_max[0], s_cnt[0]};
+  __syncthreads();  // the shared arrays are reused by the block's next row
+  return out;
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kStatsLanes) analyze_kernel(StatsLaunch L) {
+  const float inv_scale = L.grad_scale != nullptr ? 1.0f / L.grad_scale[0] : 1.0f;
+  for (int64_t r = blockIdx.x; r < L.n_rows; r += gridDim.x) {
+    const int64_t i = find_tensor(L.table, L.n_tensors, r);
+    const TensorEntry e = L.table[i];
+    const int64_t begin = (r - e.unit_start) * kStatsChunk;
+    const int64_t count = min(kStatsChunk, e.numel - begin);
+    const T* g = static_cast<const T*>(e.grad) + begin;
+    StatsRow lane = stats_zero();
+    for (int64_t k = threadIdx.x; k < count; k += kStatsLanes) {
+      stats_add(lane, to_float(g[k]) * inv_scale);
+    }
+    const StatsRow row = block_tree(lane);
+    if (threadIdx.x == 0) stats_store(L.rows + kStatsWidth * r, row);
+  }
+}
+
+__global__ void __launch_bounds__(kStatsLanes)
+    merge_kernel(const float* rows, int64_t n_rows, float* out, int64_t n_out) {
+  for (int64_t o = blockIdx.x; o < n_out; o += gridDim.x) {
+    const int64_t first = o * kMergeFanIn;
+    const int64_t count = min(kMergeFanIn, n_rows - first);
+    StatsRow lane = stats_zero();
+    for (int64_t k = threadIdx.x; k < count; k += kStatsLanes) {
+      lane = stats_combine(lane, stats_load(rows + kStatsWidth * (first + k)));
+    }
+    const StatsRow row = block_tree(lane);
+    if (threadIdx.x == 0) stats_store(out + kStatsWidth * o, row);
+  }
+}
+
+// A left fold in the order given: tiny (one report per bucket or rank), one thread.
+__global__ void merge_chunks_kernel(const float* reports, int64_t n, float* out) {
+  StatsRow acc = stats_zero();
+  for (int64_t k = 0; k < n; ++k) acc = stats_combine(acc, stats_load(reports + kStatsWidth * k));
+  stats_store(out, acc);
+}
+
+}  // namespace
+
+void analyze_gradient_cuda(const StatsLaunch& L, void* stream_ptr) {
+  auto stream = static_cast<cudaStream_t>(stream_ptr);
+  const int64_t grid = std::min<int64_t>(L.n_rows, max_resident_blocks(kStatsLanes));
+  switch (L.grad_dtype) {
+    case GradDType::kFloat:
+      analyze_kernel<float><<<static_cast<unsigned>(grid), kStatsLanes, 0, stream>>>(L);
+      break;
+    case GradDType::kHalf:
+      analyze_kernel<__half><<<static_cast<unsigned>(grid), kStatsLanes, 0, stream>>>(L);
+      break;
+    case GradDType::kBFloat16:
+      analyze_kernel<__nv_bfloat16><<<static_cast<unsigned>(grid), kStatsLanes, 0, stream>>>(L);
+      break;
+  }
+  RUDA_CUDA_CHECK_LAUNCH();
+}
+
+void merge_gradient_stats_cuda(const float* rows, int64_t n_rows, float* out, void* stream_ptr) {
+  const int64_t n_out = (n_rows + kMergeFanIn - 1) / kMergeFanIn;
+  const int64_t grid = std::min<int64_t>(n_out, max_resident_blocks(kStatsLanes));
+  merge_kernel<<<static_cast<unsigned>(grid), kStatsLanes, 0, static_cast<cudaStream_t>(
+                                                                   stream_ptr)>>>(rows, n_rows,
+                                                                                  out, n_out);
+  RUDA_CUDA_CHECK_LAUNCH();
+}
+
+void merge_gradient_stats_chunks_cuda(const float* reports, int64_t n, float* out,
+                                      void* stream_ptr) {
+  merge_chunks_kernel<<<1, 1, 0, static_cast<cudaStream_t>(stream_ptr)>>>(reports, n, out);
+  RUDA_CUDA_CHECK_LAUNCH();
+}
+
+}  // namespace ruda

@@ -1,0 +1,87 @@
+// CUDA registrations: validate (csrc/bindings.cpp), place the tensor table in device
+// memory, and enqueue the kernels on the current stream. Nothing here waits for the
+// GPU: the table travels through a pinned staging buffer from torch's caching host
+// allocator (its reuse is ordered by an event on the stream), and every decision that
+// depends on device values is made by the kernels themselves.
+//
+// Only c10/cuda headers are used: ATen/cuda/CUDAContext.h pulls in cuBLAS/cuSPARSE
+// headers that a bare toolkit may lack (docs/building.md).
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <torch/library.h>
+
+#include <cstring>
+
+#include "bindings.h"
+#include "kernels.h"
+
+namespace ruda {
+namespace {
+
+// Copies the host table to the device; the returned tensor must outlive the launch,
+// which the caching allocator guarantees for work already enqueued on this stream.
+at::Tensor upload_table(const std::vector<TensorEntry>& table, const at::Device& device) {
+  const int64_t words = static_cast<int64_t>(table.size()) * 6;
+  at::Tensor host =
+      at::empty({words}, at::TensorOptions().dtype(at::kLong).pinned_memory(true));
+  if (words > 0) std::memcpy(host.data_ptr(), table.data(), words * sizeof(int64_t));
+  at::Tensor dev = at::empty({words}, at::TensorOptions().dtype(at::kLong).device(device));
+  dev.copy_(host, /*non_blocking=*/true);
+  return dev;
+}
+
+void* current_stream() { return c10::cuda::getCurrentCUDAStream().stream(); }
+
+void adamw_scaled_cuda(at::TensorList params, at::TensorList grads, const at::Tensor& exp_avg,
+                       const at::Tensor& exp_avg_sq,
+                       const std::optional<at::Tensor>& max_exp_avg_sq, const at::Tensor& steps,
+                       const at::Tensor& slots, const std::optional<at::Tensor>& grad_scale,
+                       const std::optional<at::Tensor>& found_inf,
+                       const std::optional<at::Tensor>& stats,
+                       const std::optional<at::Tensor>& clip_coef, double lr, double beta1,
+                       double beta2, double eps, double weight_decay, double max_grad_norm,
+                       bool maximize) {
+  PreparedAdamW prep = prepare_adamw(params, grads, exp_avg, exp_avg_sq, max_exp_avg_sq, steps,
+                                     slots, grad_scale, found_inf, stats, clip_coef, lr, beta1,
+                                     beta2, eps, weight_decay, max_grad_norm, maximize,
+                                     kCudaTile);
+  if (prep.table.empty()) return;
+  const c10::cuda::CUDAGuard guard(exp_avg.device());
+  at::Tensor table = upload_table(prep.table, exp_avg.device());
+  prep.launch.table = reinterpret_cast<const TensorEntry*>(table.data_ptr<int64_t>());
+  adamw_cuda(prep.launch, current_stream());
+}
+
+void analyze_gradient_cuda_op(at::TensorList grads, const std::optional<at::Tensor>& grad_scale,
+                              const at::Tensor& rows) {
+  PreparedStats prep = prepare_analyze(grads, grad_scale, rows);
+  if (prep.launch.n_rows == 0) return;
+  const c10::cuda::CUDAGuard guard(rows.device());
+  at::Tensor table = upload_table(prep.table, rows.device());
+  prep.launch.table = reinterpret_cast<const TensorEntry*>(table.data_ptr<int64_t>());
+  analyze_gradient_cuda(prep.launch, current_stream());
+}
+
+void merge_gradient_stats_cuda_op(const at::Tensor& rows, const at::Tensor& out) {
+  const int64_t n = check_merge(rows, out);
+  if (n == 0) return;
+  const c10::cuda::CUDAGuard guard(rows.device());
+  merge_gradient_stats_cuda(rows.data_ptr<float>(), n, out.data_ptr<float>(), current_stream());
+}
+
+void merge_gradient_stats_chunks_cuda_op(const at::Tensor& reports, const at::Tensor& out) {
+  const int64_t n = check_merge_chunks(reports, out);
+  const c10::cuda::CUDAGuard guard(reports.device());
+  merge_gradient_stats_chunks_cuda(reports.data_ptr<float>(), n, out.data_ptr<float>(),
+                                   current_stream());
+}
+
+}  // namespace
+}  // namespace ruda
+
+TORCH_LIBRARY_IMPL(ruda_torch, CUDA, m) {
+  m.impl("adamw_scaled_", &ruda::adamw_scaled_cuda);
+  m.impl("analyze_gradient", &ruda::analyze_gradient_cuda_op);
+  m.impl("merge_gradient_stats", &ruda::merge_gradient_stats_cuda_op);
+  m.impl("merge_gradient_stats_chunks", &ruda::merge_gradient_stats_chunks_cuda_op);
+}

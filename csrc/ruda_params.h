@@ -1,0 +1,92 @@
+// Plain parameter structs that the bindings (csrc/ops.cpp) fill after validating the
+// at::Tensor arguments, and that the CPU and CUDA kernels take. Kernels never see an
+// at::Tensor: raw addresses, sizes and scalars only.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+
+#if defined(__CUDACC__) || defined(__HIPCC__)
+#define RUDA_HOST_DEVICE __host__ __device__
+#else
+#define RUDA_HOST_DEVICE
+#endif
+
+namespace ruda {
+
+// Note [Tensor table]
+// One launch covers a whole bucket whatever the number of parameters: the binding
+// writes one TensorEntry per tensor into a table (host memory for the CPU kernels, a
+// device copy for CUDA). Each tensor is cut into fixed-size units (update tiles, or
+// statistics rows); `unit_start` is the prefix sum of the unit counts, so that a block
+// finds its tensor by binary search and no unit ever spans two tensors. All sizes and
+// offsets are 64-bit: a single tensor may hold more than 2^31 elements.
+struct TensorEntry {
+  float* param;              // FP32 parameter (nullptr for statistics tables)
+  const void* grad;          // gradient, dtype given by the launch
+  int64_t numel;             // elements of this tensor
+  int64_t state_offset;      // first element of its slice in the flat state buffers
+  int64_t step_index;        // its step counter in the flat `steps` buffer
+  int64_t unit_start;        // first unit (tile or statistics row) of this tensor
+};
+static_assert(sizeof(TensorEntry) == 6 * sizeof(int64_t), "TensorEntry is copied as int64[6]");
+
+enum class GradDType : int32_t { kFloat = 0, kHalf = 1, kBFloat16 = 2 };
+
+struct AdamWHyper {
+  double lr;
+  double beta1;
+  double beta2;
+  double eps;
+  double weight_decay;
+};
+
+// Device-resident control values (any pointer may be null), read by the kernel itself
+// so that deciding skip/clip needs no host sync.
+struct StepControl {
+  const float* grad_scale;  // GradScaler's scale: g = stored / scale
+  const float* found_inf;   // nonzero: skip the step
+  const float* stats;       // 3-float report [sum_sq, max_abs, nonfinite] of unscaled grads
+  const float* clip_coef;   // explicit clip coefficient (tensor-op norm path)
+  double max_grad_norm;     // > 0: clip from `stats`
+  bool maximize;
+};
+
+struct AdamWLaunch {
+  const TensorEntry* table;  // n_tensors entries
+  int64_t n_tensors;
+  int64_t n_units;           // total update tiles
+  GradDType grad_dtype;
+  bool amsgrad;
+  float* exp_avg;
+  float* exp_avg_sq;
+  float* max_exp_avg_sq;     // null without AMSGrad
+  float* steps;
+  AdamWHyper hyper;
+  StepControl control;
+};
+
+struct StatsLaunch {
+  const TensorEntry* table;  // n_tensors entries; unit = one statistics row
+  int64_t n_tensors;
+  int64_t n_rows;
+  GradDType grad_dtype;
+  const float* grad_scale;   // may be null
+  float* rows;               // n_rows x 3
+};
+
+// Largest unit index u with table[i].unit_start <= u: the tensor that owns unit u.
+RUDA_HOST_DEVICE inline int64_t find_tensor(const TensorEntry* table, int64_t n, int64_t u) {
+  int64_t lo = 0, hi = n - 1;
+  while (lo < hi) {
+    int64_t mid = (lo + hi + 1) / 2;
+    if (table[mid].unit_start <= u) {
+      lo = mid;
+    } else {
+      hi = mid - 1;
+    }
+  }
+  return lo;
+}
+
+}  // namespace ruda

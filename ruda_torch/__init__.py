@@ -1,0 +1,32 @@
+"""ruda_torch: a native, in-place, device-side AdamW/AMSGrad step for PyTorch.
+
+- ``ruda_torch.AdamW``: drop-in for ``torch.optim.AdamW`` (``fused_step=True`` for the
+  native kernel, ``hierarchical_stats=True`` for the device-side gradient report).
+- ``ruda_torch.adamw_step`` with ``AdamWOptions``, ``StepControl``, ``AdamWState``:
+  the out-of-place functional API.
+- ``ruda_torch.StatsPlan``: the reduction plan of the gradient statistics.
+- ``ruda_torch.ops``: the native operators; ``ruda_torch.reference``: the FP64 oracle
+  (imported explicitly).
+- ``ruda_torch.compiled_backends()``: which kernels this build contains.
+"""
+
+from . import ops
+from ._build import compiled_backends
+from .functional import AdamWOptions, AdamWState, StepControl, StepResult, adamw_step
+from .optimizer import AdamW, GradientReport
+from .stats_plan import StatsPlan
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AdamW",
+    "AdamWOptions",
+    "AdamWState",
+    "GradientReport",
+    "StatsPlan",
+    "StepControl",
+    "StepResult",
+    "adamw_step",
+    "compiled_backends",
+    "ops",
+]

@@ -1,0 +1,96 @@
+"""Typed wrappers of the native operators (``torch.ops.ruda_torch.*``) and their fake
+(meta) registrations, so that the operators work under FakeTensor, torch.compile and
+``torch.library.opcheck``. The kernels are in csrc/; the schemas in csrc/ops.cpp.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import _build  # noqa: F401  (loads the extension, which registers the schemas)
+
+_ops = torch.ops.ruda_torch
+
+
+def adamw_scaled_(
+    params: list[torch.Tensor],
+    grads: list[torch.Tensor],
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    max_exp_avg_sq: torch.Tensor | None,
+    steps: torch.Tensor,
+    slots: torch.Tensor,
+    *,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    maximize: bool = False,
+    grad_scale: torch.Tensor | None = None,
+    found_inf: torch.Tensor | None = None,
+    stats: torch.Tensor | None = None,
+    max_grad_norm: float = 0.0,
+    clip_coef: torch.Tensor | None = None,
+) -> None:
+    """In-place AdamW/AMSGrad over one bucket (docs/semantics.md).
+
+    ``params[i]`` (FP32, contiguous) owns the elements ``[off, off + numel)`` of the flat
+    FP32 state buffers and the step counter ``steps[sid]``, where ``(off, sid) =
+    slots[i]`` (a CPU int64 tensor of shape ``[len(params), 2]``). ``grads`` share one
+    dtype (FP32, FP16 or BF16) and are never written. ``grad_scale``/``found_inf``
+    (1 element), ``stats`` (the 3-float report) and ``clip_coef`` (1 element) live on
+    the parameters' device and are read by the kernel: no host sync. The step is skipped
+    (nothing written, counters unchanged) when ``found_inf != 0`` or ``stats[2] != 0``.
+    """
+    _ops.adamw_scaled_(
+        params, grads, exp_avg, exp_avg_sq, max_exp_avg_sq, steps, slots,
+        grad_scale, found_inf, stats, clip_coef,
+        lr, beta1, beta2, eps, weight_decay, max_grad_norm, maximize,
+    )  # fmt: skip
+
+
+def analyze_gradient(
+    grads: list[torch.Tensor], rows: torch.Tensor, grad_scale: torch.Tensor | None = None
+) -> None:
+    """Write one statistics row ``[sum_sq, max_abs, nonfinite]`` per
+    ``STATS_CHUNK`` elements of each gradient into ``rows`` (shape ``[R, 3]``)."""
+    _ops.analyze_gradient(grads, grad_scale, rows)
+
+
+def merge_gradient_stats(rows: torch.Tensor, out: torch.Tensor) -> None:
+    """One reduction level: ``out[k]`` combines ``rows[1024 k : 1024 (k + 1)]``."""
+    _ops.merge_gradient_stats(rows, out)
+
+
+def merge_gradient_stats_chunks(reports: torch.Tensor, out: torch.Tensor) -> None:
+    """Left fold of the ``[k, 3]`` reports, in order, into the 3-element ``out``."""
+    _ops.merge_gradient_stats_chunks(reports, out)
+
+
+def stats_rows_for(numel: int) -> int:
+    """Statistics rows that ``analyze_gradient`` writes for a tensor of ``numel`` elements."""
+    return -(-numel // _build.STATS_CHUNK)
+
+
+# Fake registrations: every operator mutates preallocated storage and returns nothing.
+@torch.library.register_fake("ruda_torch::adamw_scaled_")
+def _adamw_scaled_fake(params, grads, exp_avg, exp_avg_sq, max_exp_avg_sq, steps, slots,
+                       grad_scale, found_inf, stats, clip_coef, lr, beta1, beta2, eps,
+                       weight_decay, max_grad_norm, maximize):  # fmt: skip
+    return None
+
+
+@torch.library.register_fake("ruda_torch::analyze_gradient")
+def _analyze_gradient_fake(grads, grad_scale, rows):
+    return None
+
+
+@torch.library.register_fake("ruda_torch::merge_gradient_stats")
+def _merge_gradient_stats_fake(rows, out):
+    return None
+
+
+@torch.library.register_fake("ruda_torch::merge_gradient_stats_chunks")
+def _merge_gradient_stats_chunks_fake(reports, out):
+    return None
