@@ -85,8 +85,7 @@ struct StepCoefs {
 };
 
 // Host-precision scalars are computed in FP64 and cast once (Note [Bias correction]).
-RUDA_HOST_DEVICE inline StepCoefs<float> make_coefs(const AdamWHyper& h, float factor,
-                                                    int64_t t) {
+RUDA_HOST_DEVICE inline StepCoefs<float> make_coefs(const AdamWHyper& h, float factor, int64_t t) {
   StepCoefs<float> c;
   c.factor = factor;
   c.beta1 = static_cast<float>(h.beta1);

@@ -82,14 +82,13 @@ void check_scalar_fp32(const char* op, const std::optional<at::Tensor>& t, const
   TORCH_CHECK(t->scalar_type() == at::kFloat, "ruda_torch.", op, ": ", name,
               " must be float32 (got ", t->scalar_type(), ")");
   TORCH_CHECK(t->numel() == numel && t->is_contiguous(), "ruda_torch.", op, ": ", name,
-              " must be a contiguous tensor of ", numel, " element(s) (got shape ",
-              shape_str(*t), ")");
+              " must be a contiguous tensor of ", numel, " element(s) (got shape ", shape_str(*t),
+              ")");
   check_same_device(op, *t, name, device);
 }
 
 void check_hyper(double value, bool ok, const char* what) {
-  TORCH_CHECK(std::isfinite(value) && ok, "ruda_torch.adamw_scaled_: invalid ", what, ": ",
-              value);
+  TORCH_CHECK(std::isfinite(value) && ok, "ruda_torch.adamw_scaled_: invalid ", what, ": ", value);
 }
 
 const float* ptr_or_null(const std::optional<at::Tensor>& t) {
@@ -102,14 +101,12 @@ void check_grad(const char* op, at::TensorList grads, size_t i, at::ScalarType d
   TORCH_CHECK(g.defined(), "ruda_torch.", op, ": grads[", i, "] is undefined");
   TORCH_CHECK(g.layout() == at::kStrided, "ruda_torch.", op, ": grads[", i,
               "] is sparse; sparse gradients are not supported");
-  TORCH_CHECK(
-      g.scalar_type() == at::kFloat || g.scalar_type() == at::kHalf ||
-          g.scalar_type() == at::kBFloat16,
-      "ruda_torch.", op, ": grads[", i, "] must be float32, float16 or bfloat16 (got ",
-      g.scalar_type(), ")");
-  TORCH_CHECK(g.scalar_type() == dtype, "ruda_torch.", op, ": grads[", i, "] is ",
-              g.scalar_type(), " but grads[0] is ", dtype,
-              "; one call takes one gradient dtype (bucket by dtype)");
+  TORCH_CHECK(g.scalar_type() == at::kFloat || g.scalar_type() == at::kHalf ||
+                  g.scalar_type() == at::kBFloat16,
+              "ruda_torch.", op, ": grads[", i, "] must be float32, float16 or bfloat16 (got ",
+              g.scalar_type(), ")");
+  TORCH_CHECK(g.scalar_type() == dtype, "ruda_torch.", op, ": grads[", i, "] is ", g.scalar_type(),
+              " but grads[0] is ", dtype, "; one call takes one gradient dtype (bucket by dtype)");
   TORCH_CHECK(g.is_contiguous(), "ruda_torch.", op, ": grads[", i,
               "] must be contiguous (got strides ", g.strides(), ")");
   check_same_device(op, g, "grads", device, static_cast<int64_t>(i));
@@ -128,16 +125,13 @@ GradDType grad_dtype_of(const at::Tensor& t) {
   }
 }
 
-PreparedAdamW prepare_adamw(at::TensorList params, at::TensorList grads, const at::Tensor& exp_avg,
-                            const at::Tensor& exp_avg_sq,
-                            const std::optional<at::Tensor>& max_exp_avg_sq,
-                            const at::Tensor& steps, const at::Tensor& slots,
-                            const std::optional<at::Tensor>& grad_scale,
-                            const std::optional<at::Tensor>& found_inf,
-                            const std::optional<at::Tensor>& stats,
-                            const std::optional<at::Tensor>& clip_coef, double lr, double beta1,
-                            double beta2, double eps, double weight_decay, double max_grad_norm,
-                            bool maximize, int64_t unit) {
+PreparedAdamW prepare_adamw(
+    at::TensorList params, at::TensorList grads, const at::Tensor& exp_avg,
+    const at::Tensor& exp_avg_sq, const std::optional<at::Tensor>& max_exp_avg_sq,
+    const at::Tensor& steps, const at::Tensor& slots, const std::optional<at::Tensor>& grad_scale,
+    const std::optional<at::Tensor>& found_inf, const std::optional<at::Tensor>& stats,
+    const std::optional<at::Tensor>& clip_coef, double lr, double beta1, double beta2, double eps,
+    double weight_decay, double max_grad_norm, bool maximize, int64_t unit) {
   const char* op = "adamw_scaled_";
   check_hyper(lr, lr >= 0.0, "learning rate (lr >= 0)");
   check_hyper(beta1, beta1 >= 0.0 && beta1 < 1.0, "beta1 (0 <= beta1 < 1)");
@@ -164,12 +158,11 @@ PreparedAdamW prepare_adamw(at::TensorList params, at::TensorList grads, const a
                 max_exp_avg_sq->numel(), " vs ", exp_avg.numel(), ")");
   }
   check_flat_fp32(op, steps, "steps", device);
-  TORCH_CHECK(slots.device().is_cpu() && slots.scalar_type() == at::kLong && slots.dim() == 2 &&
-                  slots.size(0) == static_cast<int64_t>(n) && slots.size(1) == 2 &&
-                  slots.is_contiguous(),
-              "ruda_torch.", op, ": slots must be a contiguous CPU int64 tensor of shape [", n,
-              ", 2] (got ", slots.scalar_type(), " ", shape_str(slots), " on ", slots.device(),
-              ")");
+  TORCH_CHECK(
+      slots.device().is_cpu() && slots.scalar_type() == at::kLong && slots.dim() == 2 &&
+          slots.size(0) == static_cast<int64_t>(n) && slots.size(1) == 2 && slots.is_contiguous(),
+      "ruda_torch.", op, ": slots must be a contiguous CPU int64 tensor of shape [", n,
+      ", 2] (got ", slots.scalar_type(), " ", shape_str(slots), " on ", slots.device(), ")");
   check_scalar_fp32(op, grad_scale, "grad_scale", 1, device);
   check_scalar_fp32(op, found_inf, "found_inf", 1, device);
   check_scalar_fp32(op, stats, "stats", kStatsWidth, device);
@@ -194,20 +187,19 @@ PreparedAdamW prepare_adamw(at::TensorList params, at::TensorList grads, const a
     TORCH_CHECK(p.defined(), "ruda_torch.", op, ": params[", i, "] is undefined");
     TORCH_CHECK(p.scalar_type() == at::kFloat, "ruda_torch.", op, ": params[", i,
                 "] must be float32 (FP32 master weights; got ", p.scalar_type(), ")");
-    TORCH_CHECK(p.layout() == at::kStrided && p.is_contiguous(), "ruda_torch.", op,
-                ": params[", i, "] must be a dense contiguous tensor (got strides ", p.strides(),
-                ")");
+    TORCH_CHECK(p.layout() == at::kStrided && p.is_contiguous(), "ruda_torch.", op, ": params[", i,
+                "] must be a dense contiguous tensor (got strides ", p.strides(), ")");
     check_same_device(op, p, "params", device, static_cast<int64_t>(i));
     check_grad(op, grads, i, gdtype, device);
     TORCH_CHECK(grads[i].sizes() == p.sizes(), "ruda_torch.", op, ": grads[", i,
-                "] must have the same shape as params[", i, "] (got ", shape_str(grads[i]),
-                " vs ", shape_str(p), ")");
+                "] must have the same shape as params[", i, "] (got ", shape_str(grads[i]), " vs ",
+                shape_str(p), ")");
     const int64_t off = slot[2 * i], sid = slot[2 * i + 1], numel = p.numel();
     TORCH_CHECK(off >= 0 && off <= state_numel - numel, "ruda_torch.", op, ": slots[", i,
                 "] puts params[", i, "] (", numel, " elements) at offset ", off,
                 ", outside the state buffers of ", state_numel, " elements");
-    TORCH_CHECK(sid >= 0 && sid < n_steps, "ruda_torch.", op, ": slots[", i, "] step index ",
-                sid, " is outside steps (", n_steps, " counters)");
+    TORCH_CHECK(sid >= 0 && sid < n_steps, "ruda_torch.", op, ": slots[", i, "] step index ", sid,
+                " is outside steps (", n_steps, " counters)");
     if (numel > 0) slices.emplace_back(off, off + numel);
     step_ids[i] = sid;
     written.push_back(span_of(p, "params", i));
@@ -224,12 +216,12 @@ PreparedAdamW prepare_adamw(at::TensorList params, at::TensorList grads, const a
   std::sort(slices.begin(), slices.end());
   for (size_t i = 1; i < slices.size(); ++i) {
     TORCH_CHECK(slices[i].first >= slices[i - 1].second, "ruda_torch.", op,
-                ": two parameters share state elements (slices at offsets ",
-                slices[i - 1].first, " and ", slices[i].first, " overlap); check slots");
+                ": two parameters share state elements (slices at offsets ", slices[i - 1].first,
+                " and ", slices[i].first, " overlap); check slots");
   }
   std::sort(step_ids.begin(), step_ids.end());
-  TORCH_CHECK(std::adjacent_find(step_ids.begin(), step_ids.end()) == step_ids.end(),
-              "ruda_torch.", op, ": two parameters share one step counter; check slots");
+  TORCH_CHECK(std::adjacent_find(step_ids.begin(), step_ids.end()) == step_ids.end(), "ruda_torch.",
+              op, ": two parameters share one step counter; check slots");
   written.push_back(span_of(exp_avg, "exp_avg"));
   written.push_back(span_of(exp_avg_sq, "exp_avg_sq"));
   if (max_exp_avg_sq.has_value()) written.push_back(span_of(*max_exp_avg_sq, "max_exp_avg_sq"));
@@ -280,12 +272,15 @@ PreparedStats prepare_analyze(at::TensorList grads, const std::optional<at::Tens
                   rows.size(0) == n_rows && rows.size(1) == kStatsWidth,
               "ruda_torch.", op, ": rows must be a contiguous float32 tensor of shape [", n_rows,
               ", ", kStatsWidth, "] (one row per ", kStatsChunk,
-              " gradient elements of each tensor; got ", rows.scalar_type(), " ",
-              shape_str(rows), ")");
+              " gradient elements of each tensor; got ", rows.scalar_type(), " ", shape_str(rows),
+              ")");
   check_same_device(op, rows, "rows", device);
   check_no_aliasing(op, {span_of(rows, "rows")}, read_only);
-  prep.launch = {nullptr, static_cast<int64_t>(n), n_rows,
-                 n > 0 ? grad_dtype_of(grads[0]) : GradDType::kFloat, ptr_or_null(grad_scale),
+  prep.launch = {nullptr,
+                 static_cast<int64_t>(n),
+                 n_rows,
+                 n > 0 ? grad_dtype_of(grads[0]) : GradDType::kFloat,
+                 ptr_or_null(grad_scale),
                  rows.data_ptr<float>()};
   return prep;
 }
@@ -314,8 +309,7 @@ int64_t check_merge_chunks(const at::Tensor& reports, const at::Tensor& out) {
                   reports.dim() == 2 && reports.size(1) == kStatsWidth,
               "ruda_torch.", op, ": reports must be a contiguous float32 tensor of shape [k, ",
               kStatsWidth, "] (got ", reports.scalar_type(), " ", shape_str(reports), ")");
-  TORCH_CHECK(out.scalar_type() == at::kFloat && out.is_contiguous() &&
-                  out.numel() == kStatsWidth,
+  TORCH_CHECK(out.scalar_type() == at::kFloat && out.is_contiguous() && out.numel() == kStatsWidth,
               "ruda_torch.", op, ": out must be a contiguous float32 tensor of ", kStatsWidth,
               " elements (got ", out.scalar_type(), " ", shape_str(out), ")");
   check_same_device(op, out, "out", reports.device());

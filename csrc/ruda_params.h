@@ -22,12 +22,12 @@ namespace ruda {
 // finds its tensor by binary search and no unit ever spans two tensors. All sizes and
 // offsets are 64-bit: a single tensor may hold more than 2^31 elements.
 struct TensorEntry {
-  float* param;              // FP32 parameter (nullptr for statistics tables)
-  const void* grad;          // gradient, dtype given by the launch
-  int64_t numel;             // elements of this tensor
-  int64_t state_offset;      // first element of its slice in the flat state buffers
-  int64_t step_index;        // its step counter in the flat `steps` buffer
-  int64_t unit_start;        // first unit (tile or statistics row) of this tensor
+  float* param;          // FP32 parameter (nullptr for statistics tables)
+  const void* grad;      // gradient, dtype given by the launch
+  int64_t numel;         // elements of this tensor
+  int64_t state_offset;  // first element of its slice in the flat state buffers
+  int64_t step_index;    // its step counter in the flat `steps` buffer
+  int64_t unit_start;    // first unit (tile or statistics row) of this tensor
 };
 static_assert(sizeof(TensorEntry) == 6 * sizeof(int64_t), "TensorEntry is copied as int64[6]");
 
@@ -55,12 +55,12 @@ struct StepControl {
 struct AdamWLaunch {
   const TensorEntry* table;  // n_tensors entries
   int64_t n_tensors;
-  int64_t n_units;           // total update tiles
+  int64_t n_units;  // total update tiles
   GradDType grad_dtype;
   bool amsgrad;
   float* exp_avg;
   float* exp_avg_sq;
-  float* max_exp_avg_sq;     // null without AMSGrad
+  float* max_exp_avg_sq;  // null without AMSGrad
   float* steps;
   AdamWHyper hyper;
   StepControl control;
@@ -71,8 +71,8 @@ struct StatsLaunch {
   int64_t n_tensors;
   int64_t n_rows;
   GradDType grad_dtype;
-  const float* grad_scale;   // may be null
-  float* rows;               // n_rows x 3
+  const float* grad_scale;  // may be null
+  float* rows;              // n_rows x 3
 };
 
 // Largest unit index u with table[i].unit_start <= u: the tensor that owns unit u.

@@ -94,7 +94,9 @@ class _Bucket:
 
     def __init__(self, params: list[torch.Tensor], amsgrad: bool, state: dict):
         self.params = params
-        self.locals = [_local(p) for p in params]
+        # DTensor parameters are stepped on their local shards (Note [Buckets]).
+        self.distributed = any(hasattr(p, "device_mesh") for p in params)
+        self.locals = [_local(p) for p in params] if self.distributed else params
         self.device = self.locals[0].device if params else torch.device("cpu")
         offsets, total = [], 0
         for t in self.locals:
@@ -258,7 +260,9 @@ class AdamW(Optimizer):
                 and math.isfinite(max_grad_norm)
                 and max_grad_norm > 0
             ):
-                raise ValueError(f"Invalid max_grad_norm: {max_grad_norm} (must be a positive float)")
+                raise ValueError(
+                    f"Invalid max_grad_norm: {max_grad_norm} (must be a positive float)"
+                )
             max_grad_norm = float(max_grad_norm)
         if process_group is not None:
             raise ValueError(
@@ -306,7 +310,9 @@ class AdamW(Optimizer):
         merged = {**self.defaults, **{k: v for k, v in param_group.items() if k != "params"}}
         check_hyperparameters(merged["lr"], merged["betas"], merged["eps"], merged["weight_decay"])
         if self.hierarchical_stats and not merged["fused_step"]:
-            raise ValueError("hierarchical_stats=True requires fused_step=True in every param group")
+            raise ValueError(
+                "hierarchical_stats=True requires fused_step=True in every param group"
+            )
         super().add_param_group(param_group)
         group = self.param_groups[-1]
         if group["fused_step"]:
@@ -329,13 +335,13 @@ class AdamW(Optimizer):
             )
         id_to_param = {}
         new_groups = []
-        for gi, (saved, current) in enumerate(zip(groups, self.param_groups)):
+        for gi, (saved, current) in enumerate(zip(groups, self.param_groups, strict=True)):
             if len(saved["params"]) != len(current["params"]):
                 raise ValueError(
                     f"loaded param group {gi} has {len(saved['params'])} parameters, this "
                     f"optimizer's has {len(current['params'])}"
                 )
-            id_to_param.update(zip(saved["params"], current["params"]))
+            id_to_param.update(zip(saved["params"], current["params"], strict=True))
             g = dict(saved)
             g.setdefault("fused_step", current["fused_step"])
             check_hyperparameters(g["lr"], g["betas"], g["eps"], g["weight_decay"])
@@ -403,16 +409,18 @@ class AdamW(Optimizer):
                         len(grads) == len(bucket.last_grads)
                         and all(map(operator.is_, grads, bucket.last_grads))
                     ):
-                        _check_grads(grads, [bucket.params[i] for i in active], gi)
+                        _check_grads(grads, gi)
                     fused.append(_FusedWork(bucket, group, active, grads))
             else:
                 params = [p for p in group["params"] if p.grad is not None]
                 grads = [p.grad for p in params]
-                _check_grads(grads, params, gi, fused=False)
+                _check_grads(grads, gi, fused=False)
                 if params:
                     generic.append((group, params, grads))
         if self.hierarchical_stats and generic:
-            raise ValueError("hierarchical_stats=True requires fused_step=True in every param group")
+            raise ValueError(
+                "hierarchical_stats=True requires fused_step=True in every param group"
+            )
 
         # Phase 2: state for parameters that are active for the first time.
         for work in fused:
@@ -421,8 +429,9 @@ class AdamW(Optimizer):
                 if not b.has_state[i]:
                     self.state[b.params[i]] = b.state_views(i, b.params[i])
                     b.has_state[i] = True
-            work.grads = [_local(g) for g in work.grads]
-            b.last_grads = [b.params[i].grad for i in work.active]
+            b.last_grads = work.grads
+            if b.distributed:
+                work.grads = [_local(g) for g in work.grads]
         for group, params, _ in generic:
             for p in params:
                 if len(self.state[p]) == 0:
@@ -443,7 +452,9 @@ class AdamW(Optimizer):
             g = work.group
             b = work.bucket
             ops.adamw_scaled_(
-                [b.locals[i] for i in work.active],
+                b.locals
+                if len(work.active) == len(b.params)
+                else [b.locals[i] for i in work.active],
                 work.grads,
                 b.exp_avg,
                 b.exp_avg_sq,
@@ -459,11 +470,13 @@ class AdamW(Optimizer):
                 grad_scale=per_device.get(grad_scale, dev),
                 found_inf=per_device.get(found_inf, dev),
                 stats=per_device.get(stats, dev),
-                max_grad_norm=self.max_grad_norm if stats is not None and self.max_grad_norm else 0.0,
+                max_grad_norm=self.max_grad_norm
+                if stats is not None and self.max_grad_norm
+                else 0.0,
                 clip_coef=per_device.get(clip_coef, dev),
             )
         for group, params, grads in generic:
-            for p, grad in zip(params, grads):
+            for p, grad in zip(params, grads, strict=True):
                 dev = p.device
                 _generic_update(
                     p, grad, self.state[p], group,
@@ -600,8 +613,8 @@ def _check_fused_param(p: torch.Tensor, gi: int, j: int) -> None:
     check_device(local.device, "ruda_torch.AdamW(fused_step=True)")
 
 
-def _check_grads(grads, params, gi: int, fused: bool = True) -> None:
-    for j, (g, p) in enumerate(zip(grads, params)):
+def _check_grads(grads, gi: int, fused: bool = True) -> None:
+    for j, g in enumerate(grads):
         if g.is_sparse:
             raise RuntimeError(
                 f"ruda_torch.AdamW does not support sparse gradients (param group {gi}, "

@@ -45,7 +45,9 @@ class StatsPlan:
         return 4 * self.scratch_elements
 
     def __repr__(self) -> str:
-        return f"StatsPlan(rows={self.rows}, levels={self.levels}, scratch_bytes={self.scratch_bytes})"
+        return (
+            f"StatsPlan(rows={self.rows}, levels={self.levels}, scratch_bytes={self.scratch_bytes})"
+        )
 
     def reduce(self, rows: torch.Tensor, scratch: torch.Tensor, out: torch.Tensor) -> None:
         """Merge ``rows`` (``[self.rows, 3]``) into ``out`` (3 elements) through the

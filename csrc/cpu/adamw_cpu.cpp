@@ -39,9 +39,8 @@ inline Vec load_grad<c10::BFloat16>(const c10::BFloat16* p) {
 }
 
 StepCoefs<Vec> broadcast(const StepCoefs<float>& c) {
-  return {Vec(c.factor), Vec(c.beta1), Vec(c.one_minus_beta1), Vec(c.beta2),
-          Vec(c.one_minus_beta2), Vec(c.eps), Vec(c.lr), Vec(c.decay),
-          Vec(c.bc1), Vec(c.bc2)};
+  return {Vec(c.factor), Vec(c.beta1), Vec(c.one_minus_beta1), Vec(c.beta2), Vec(c.one_minus_beta2),
+          Vec(c.eps),    Vec(c.lr),    Vec(c.decay),           Vec(c.bc1),   Vec(c.bc2)};
 }
 
 // Elements [begin, end) of one tensor.

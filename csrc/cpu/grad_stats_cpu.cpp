@@ -37,8 +37,8 @@ StatsRow lanes_tree(Lanes& l) {
       (Vec::loadu(l.cnt + i) + Vec::loadu(l.cnt + i + s)).store(l.cnt + i);
     }
     for (; i < s; ++i) {
-      const StatsRow r = stats_combine({l.sum[i], l.max[i], l.cnt[i]},
-                                       {l.sum[i + s], l.max[i + s], l.cnt[i + s]});
+      const StatsRow r =
+          stats_combine({l.sum[i], l.max[i], l.cnt[i]}, {l.sum[i + s], l.max[i + s], l.cnt[i + s]});
       l.sum[i] = r.sum_sq;
       l.max[i] = r.max_abs;
       l.cnt[i] = r.nonfinite;

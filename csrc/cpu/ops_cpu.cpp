@@ -8,9 +8,9 @@ namespace ruda {
 namespace {
 
 void adamw_scaled_cpu(at::TensorList params, at::TensorList grads, const at::Tensor& exp_avg,
-                      const at::Tensor& exp_avg_sq,
-                      const std::optional<at::Tensor>& max_exp_avg_sq, const at::Tensor& steps,
-                      const at::Tensor& slots, const std::optional<at::Tensor>& grad_scale,
+                      const at::Tensor& exp_avg_sq, const std::optional<at::Tensor>& max_exp_avg_sq,
+                      const at::Tensor& steps, const at::Tensor& slots,
+                      const std::optional<at::Tensor>& grad_scale,
                       const std::optional<at::Tensor>& found_inf,
                       const std::optional<at::Tensor>& stats,
                       const std::optional<at::Tensor>& clip_coef, double lr, double beta1,

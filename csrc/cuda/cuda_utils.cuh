@@ -9,11 +9,11 @@
 
 #include <cstdint>
 
-#define RUDA_CUDA_CHECK_LAUNCH()                                                         \
-  do {                                                                                   \
-    cudaError_t err_ = cudaGetLastError();                                               \
-    TORCH_CHECK(err_ == cudaSuccess, "ruda_torch: CUDA kernel launch failed: ",          \
-                cudaGetErrorString(err_));                                               \
+#define RUDA_CUDA_CHECK_LAUNCH()                                                      \
+  do {                                                                                \
+    cudaError_t err_ = cudaGetLastError();                                            \
+    TORCH_CHECK(err_ == cudaSuccess,                                                  \
+                "ruda_torch: CUDA kernel launch failed: ", cudaGetErrorString(err_)); \
   } while (0)
 
 namespace ruda {

@@ -99,9 +99,8 @@ void analyze_gradient_cuda(const StatsLaunch& L, void* stream_ptr) {
 void merge_gradient_stats_cuda(const float* rows, int64_t n_rows, float* out, void* stream_ptr) {
   const int64_t n_out = (n_rows + kMergeFanIn - 1) / kMergeFanIn;
   const int64_t grid = std::min<int64_t>(n_out, max_resident_blocks(kStatsLanes));
-  merge_kernel<<<static_cast<unsigned>(grid), kStatsLanes, 0, static_cast<cudaStream_t>(
-                                                                   stream_ptr)>>>(rows, n_rows,
-                                                                                  out, n_out);
+  merge_kernel<<<static_cast<unsigned>(grid), kStatsLanes, 0,
+                 static_cast<cudaStream_t>(stream_ptr)>>>(rows, n_rows, out, n_out);
   RUDA_CUDA_CHECK_LAUNCH();
 }
 

@@ -22,8 +22,7 @@ namespace {
 // which the caching allocator guarantees for work already enqueued on this stream.
 at::Tensor upload_table(const std::vector<TensorEntry>& table, const at::Device& device) {
   const int64_t words = static_cast<int64_t>(table.size()) * 6;
-  at::Tensor host =
-      at::empty({words}, at::TensorOptions().dtype(at::kLong).pinned_memory(true));
+  at::Tensor host = at::empty({words}, at::TensorOptions().dtype(at::kLong).pinned_memory(true));
   if (words > 0) std::memcpy(host.data_ptr(), table.data(), words * sizeof(int64_t));
   at::Tensor dev = at::empty({words}, at::TensorOptions().dtype(at::kLong).device(device));
   dev.copy_(host, /*non_blocking=*/true);
@@ -43,8 +42,7 @@ void adamw_scaled_cuda(at::TensorList params, at::TensorList grads, const at::Te
                        bool maximize) {
   PreparedAdamW prep = prepare_adamw(params, grads, exp_avg, exp_avg_sq, max_exp_avg_sq, steps,
                                      slots, grad_scale, found_inf, stats, clip_coef, lr, beta1,
-                                     beta2, eps, weight_decay, max_grad_norm, maximize,
-                                     kCudaTile);
+                                     beta2, eps, weight_decay, max_grad_norm, maximize, kCudaTile);
   if (prep.table.empty()) return;
   const c10::cuda::CUDAGuard guard(exp_avg.device());
   at::Tensor table = upload_table(prep.table, exp_avg.device());

@@ -1,0 +1,174 @@
+# Developer workflow for ruda_torch. `make help` lists the targets.
+#
+# Every target sets up what it needs from nothing and skips what is already done: stamp
+# files in the virtual environment record what was installed and built, keyed on the
+# files that decide it (requirements-*.txt, setup.py, pyproject.toml, csrc/ and the build
+# switches of setup.py).
+#
+# Note [Incremental builds]: the first build (and any change to setup.py, pyproject.toml or
+# the dependencies) runs `pip install --no-build-isolation -e .`. pip builds editable
+# installs in a temporary folder, so it always compiles every file. After that, a change
+# under csrc/ or to a build switch rebuilds with `setup.py build_ext --inplace`, which
+# keeps its objects in build/ and recompiles only what changed (ninja); both put the
+# extension at the same place, ruda_torch/_C*.so, where the editable install finds it.
+
+PYTHON ?= python3
+VENV ?= .venv
+# NO_VENV=1: use $(PYTHON) and the packages already installed for it instead of creating
+# $(VENV) (for a machine with torch preinstalled and no package registry).
+NO_VENV ?=
+PYTEST_ARGS ?=
+DEMO_ARGS ?=
+BENCH_ARGS ?=
+
+ifeq ($(NO_VENV),)
+  PY := $(VENV)/bin/python
+  BIN := $(VENV)/bin/
+  STAMPS := $(VENV)
+else
+  PY := $(PYTHON)
+  BIN :=
+  STAMPS := build/stamps
+endif
+RUFF := $(BIN)ruff
+CLANG_FORMAT := $(BIN)clang-format
+
+LINT_STAMP := $(STAMPS)/.stamp-lint
+DEPS_STAMP := $(STAMPS)/.stamp-deps
+INSTALL_STAMP := $(STAMPS)/.stamp-install
+FRESH_INSTALL := $(STAMPS)/.stamp-fresh-install
+BUILD_CONFIG := $(STAMPS)/.stamp-build-config
+BUILD_STAMP := $(STAMPS)/.stamp-build
+
+# C++/CUDA sources: what the extension depends on and what clang-format checks.
+CSRC := $(sort $(shell find csrc -type f \( -name '*.h' -o -name '*.hpp' -o -name '*.cuh' \
+	-o -name '*.cpp' -o -name '*.cc' -o -name '*.cu' \) 2>/dev/null))
+# The switches setup.py reads (see its docstring); changing one rebuilds the extension.
+BUILD_SWITCHES := RUDA_TORCH_CUDA=$(RUDA_TORCH_CUDA) CUDA_HOME=$(CUDA_HOME) \
+	TORCH_CUDA_ARCH_LIST=$(TORCH_CUDA_ARCH_LIST) RUDA_TORCH_CPU_ISA=$(RUDA_TORCH_CPU_ISA)
+
+.DEFAULT_GOAL := help
+.PHONY: help deps build test demo bench check format versions clean distclean FORCE
+
+help:
+	@echo "make test       set up .venv, build the extension, run the test suite"
+	@echo "make demo       set up and build, then train a small MLP with torch's and our AdamW"
+	@echo "make build      set up .venv and build the extension only"
+	@echo "make bench      set up and build, then run benchmarks/bench_adamw.py"
+	@echo "make check      ruff check, ruff format --check, clang-format --dry-run over csrc/"
+	@echo "make format     apply ruff (import order, format) and clang-format"
+	@echo "make versions   print the versions of the tools in the environment"
+	@echo "make clean      remove build outputs (keeps .venv); make distclean also removes .venv"
+	@echo "Variables: PYTHON=$(PYTHON) VENV=$(VENV) NO_VENV=$(NO_VENV);"
+	@echo "  PYTEST_ARGS, DEMO_ARGS, BENCH_ARGS pass arguments to pytest, the demo, the benchmark"
+
+# ---------------------------------------------------------------------------- environment
+
+ifeq ($(NO_VENV),)
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+
+$(LINT_STAMP): requirements-lint.txt | $(PY)
+	$(PY) -m pip install -r requirements-lint.txt
+	@touch $@
+
+$(DEPS_STAMP): requirements-dev.txt requirements-lint.txt $(LINT_STAMP)
+	$(PY) -m pip install -r requirements-dev.txt
+	@touch $@
+else
+$(LINT_STAMP):
+	@mkdir -p $(STAMPS)
+	@command -v ruff >/dev/null && command -v clang-format >/dev/null \
+		|| { echo "NO_VENV=1: ruff and clang-format must be on PATH" >&2; exit 1; }
+	@touch $@
+
+$(DEPS_STAMP):
+	@mkdir -p $(STAMPS)
+	$(PY) -c "import torch, pytest, setuptools; print('torch', torch.__version__, torch.__file__)"
+	@touch $@
+endif
+
+deps: $(DEPS_STAMP)
+
+# -------------------------------------------------------------------------------- build
+
+$(INSTALL_STAMP): $(DEPS_STAMP) setup.py pyproject.toml
+	$(PY) -m pip install --no-build-isolation --no-deps -v -e .
+	@touch $(FRESH_INSTALL) $@
+
+# Rewritten only when the list of sources or a build switch changes (or the built module
+# is missing), so that its timestamp says when to rebuild.
+$(BUILD_CONFIG): FORCE
+	@mkdir -p $(STAMPS)
+	@printf '%s\n' $(CSRC) '$(BUILD_SWITCHES)' > $@.tmp
+	@if cmp -s $@.tmp $@ && [ -n "$(wildcard ruda_torch/_C*.so)" ]; then rm -f $@.tmp; \
+	else mv -f $@.tmp $@; fi
+
+# Note [Incremental builds].
+$(BUILD_STAMP): $(INSTALL_STAMP) $(BUILD_CONFIG) $(CSRC)
+	@if [ -f $(FRESH_INSTALL) ]; then rm -f $(FRESH_INSTALL); else \
+		echo "$(PY) setup.py build_ext --inplace"; \
+		$(PY) setup.py build_ext --inplace || exit 1; fi
+	@touch $@
+
+build: $(BUILD_STAMP)
+
+# ---------------------------------------------------------------------------- run things
+
+# pytest exits with 5 when it collects no tests: that is a failure too (make stops on any
+# nonzero status). .ci/pytest_gpu_summary.py prints how many `gpu` tests were skipped.
+test: $(BUILD_STAMP)
+	@echo "$(PY) -m pytest tests -q -ra $(PYTEST_ARGS)"
+	@rc=0; PYTHONPATH=.ci$${PYTHONPATH:+:$$PYTHONPATH} \
+		$(PY) -m pytest tests -q -ra -p pytest_gpu_summary $(PYTEST_ARGS) || rc=$$?; \
+	if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests (exit 5)" >&2; fi; \
+	exit $$rc
+
+demo: $(BUILD_STAMP)
+	$(PY) examples/train_mlp.py $(DEMO_ARGS)
+
+bench: $(BUILD_STAMP)
+	@if [ ! -f benchmarks/bench_adamw.py ]; then \
+		echo "make bench: benchmarks/bench_adamw.py is not in this checkout" >&2; exit 1; fi
+	$(PY) benchmarks/bench_adamw.py $(BENCH_ARGS)
+
+versions: $(DEPS_STAMP)
+	@$(PY) -c "import sys, torch; print('python', sys.version.split()[0]); \
+		print('torch', torch.__version__, '| CUDA build:', torch.version.cuda, \
+		'| GPU visible:', torch.cuda.is_available())"
+	@$(PY) -m pip list 2>/dev/null \
+		| grep -iE '^(numpy|pytest|ninja|setuptools|wheel|ruff|clang-format) ' || true
+	@$(CLANG_FORMAT) --version 2>/dev/null || echo "clang-format: not installed"
+
+# ---------------------------------------------------------------------------- lint, format
+
+check: $(LINT_STAMP)
+	@rc=0; \
+	echo "$(RUFF) check ."; $(RUFF) check . || rc=1; \
+	echo "$(RUFF) format --check ."; $(RUFF) format --check . || rc=1; \
+	if [ -n "$(CSRC)" ]; then \
+		echo "$(CLANG_FORMAT) --dry-run -Werror <$(words $(CSRC)) files under csrc/>"; \
+		$(CLANG_FORMAT) --dry-run -Werror $(CSRC) || rc=1; \
+	else echo "clang-format: no C++/CUDA sources under csrc/"; fi; \
+	if [ $$rc -ne 0 ]; then echo "make check: failed (make format fixes formatting)" >&2; fi; \
+	exit $$rc
+
+format: $(LINT_STAMP)
+	$(RUFF) check --select I --fix .
+	$(RUFF) format .
+	$(if $(CSRC),$(CLANG_FORMAT) -i $(CSRC),@echo "clang-format: no C++/CUDA sources under csrc/")
+
+# -------------------------------------------------------------------------------- cleanup
+
+clean:
+	rm -rf build ruda_torch/_C*.so .pytest_cache .ruff_cache
+	rm -f $(INSTALL_STAMP) $(FRESH_INSTALL) $(BUILD_CONFIG) $(BUILD_CONFIG).tmp $(BUILD_STAMP)
+	find ruda_torch tests examples benchmarks tools .ci -name __pycache__ -type d -prune \
+		-exec rm -rf {} + 2>/dev/null || true
+
+distclean: clean
+ifeq ($(NO_VENV),)
+	rm -rf $(VENV)
+endif
+
+FORCE:
