@@ -25,6 +25,7 @@ from torch.optim import Optimizer
 from . import ops
 from ._build import STATS_CHUNK, check_device
 from ._validate import check_hyperparameters
+from .distributed import LOCAL, globalize_report, globalize_sum, scope_of
 from .stats_plan import MAX_ROWS, StatsPlan
 
 __all__ = ["AdamW", "GradientReport"]
@@ -92,8 +93,9 @@ class GradientReport:
 class _Bucket:
     """Flat state of one (param group, device); see Note [Buckets]."""
 
-    def __init__(self, params: list[torch.Tensor], amsgrad: bool, state: dict):
+    def __init__(self, params: list[torch.Tensor], amsgrad: bool, state: dict, scope=LOCAL):
         self.params = params
+        self.scope = scope  # Note [Scopes] in ruda_torch/distributed.py
         # DTensor parameters are stepped on their local shards (Note [Buckets]).
         self.distributed = any(hasattr(p, "device_mesh") for p in params)
         self.locals = [_local(p) for p in params] if self.distributed else params
@@ -220,7 +222,11 @@ class AdamW(Optimizer):
         max_grad_norm (float or None, default None): clip the global gradient norm (of
             all active groups) to this value, like ``clip_grad_norm_``, without writing
             the gradients. Optimizer-wide.
-        process_group: reserved for distributed statistics; must be None for now.
+        process_group (default None): with FSDP1 (or any plain-tensor parameters that
+            are shards across ranks), the process group they are sharded over, so that
+            the statistics and clipping use the global norm (docs/fsdp.md). FSDP2
+            DTensor parameters take their groups from the mesh; DDP needs none.
+            Optimizer-wide, never stored in the state dict.
 
     Migration from ``torch.optim.AdamW``: pass ``eps=1e-8, weight_decay=1e-2`` to keep
     torch's defaults. ``state_dict()`` has torch's format; checkpoints load both ways.
@@ -264,11 +270,6 @@ class AdamW(Optimizer):
                     f"Invalid max_grad_norm: {max_grad_norm} (must be a positive float)"
                 )
             max_grad_norm = float(max_grad_norm)
-        if process_group is not None:
-            raise ValueError(
-                "process_group is not supported yet: distributed gradient statistics are "
-                "not implemented; pass process_group=None"
-            )
         self.hierarchical_stats = bool(hierarchical_stats)
         self.max_grad_norm = max_grad_norm
         self.process_group = process_group
@@ -486,6 +487,10 @@ class AdamW(Optimizer):
         return loss
 
     # ------------------------------------------------------------------ internals
+    def _all_buckets(self):
+        for entry in self._buckets.values():
+            yield from entry[2]
+
     def _group_buckets(self, gi: int, group: dict) -> list[_Bucket]:
         """The buckets of a fused group, (re)built when its parameter list changed."""
         params = group["params"]
@@ -499,23 +504,39 @@ class AdamW(Optimizer):
             return entry[2]
         for j, p in enumerate(params):
             _check_fused_param(p, gi, j)
+        needs_global = self.hierarchical_stats or self.max_grad_norm is not None
         by_device: dict = {}
-        for p in params:
-            by_device.setdefault(_local(p).device, []).append(p)
-        buckets = [_Bucket(ps, bool(group["amsgrad"]), self.state) for ps in by_device.values()]
+        scopes: dict = {}
+        for j, p in enumerate(params):
+            dev = _local(p).device
+            scope = scope_of(p, self.process_group, needs_global, f"param group {gi} parameter {j}")
+            if dev in scopes and scopes[dev][0] != scope:
+                first = scopes[dev][1]
+                raise ValueError(
+                    f"param group {gi} mixes parameters sharded over different process groups "
+                    f"on {dev}: parameter {first} over {scopes[dev][0].describe()}, parameter "
+                    f"{j} over {scope.describe()}; put them in separate param groups"
+                )
+            scopes.setdefault(dev, (scope, j))
+            by_device.setdefault(dev, []).append(p)
+        buckets = [
+            _Bucket(ps, bool(group["amsgrad"]), self.state, scopes[dev][0])
+            for dev, ps in by_device.items()
+        ]
         self._buckets[gi] = (params, len(params), buckets)
         return buckets
 
     def _gradient_report(self, fused: list[_FusedWork], grad_scale, per_device) -> torch.Tensor:
         """One report over all active fused buckets: per bucket analyze + merge tree
-        (split into several reports when a bucket has more than MAX_ROWS rows), then a
-        left fold over the reports of each device and across devices."""
+        (split into several reports when a bucket has more than MAX_ROWS rows); a left
+        fold per (device, scope), globalized over the scope's process groups (Note
+        [Scopes]); then a left fold across scopes and devices."""
         reports_by_device: dict = {}
         for work in fused:
             b = work.bucket
             rows, scratch = b.stats_buffers()
             pieces = _row_pieces(work.grads)
-            out = reports_by_device.setdefault(b.device, [])
+            out = reports_by_device.setdefault((b.device, b.scope), [])
             row_start = 0
             for lo, hi, n_rows in pieces:
                 report = torch.empty(3, dtype=torch.float32, device=b.device)
@@ -526,18 +547,27 @@ class AdamW(Optimizer):
                 StatsPlan(n_rows).reduce(piece_rows, scratch, report)
                 row_start += n_rows
                 out.append(report)
-        devices = list(reports_by_device)
-        if not devices:
-            dev = torch.device("cpu")
-            return torch.zeros(3, dtype=torch.float32, device=dev)
+        # Every rank takes part in the same all-gathers in the same order, active
+        # gradients or not: keys in bucket order, and every sharded scope present.
+        order = []
+        for b in self._all_buckets():
+            key = (b.device, b.scope)
+            if key not in order and (b.scope.groups or key in reports_by_device):
+                order.append(key)
+        if not order:
+            return torch.zeros(3, dtype=torch.float32, device=torch.device("cpu"))
         partial = []
-        for dev in devices:
+        for dev, scope in order:
+            reports = reports_by_device.get((dev, scope), [])
             final = torch.empty(3, dtype=torch.float32, device=dev)
-            ops.merge_gradient_stats_chunks(torch.stack(reports_by_device[dev]), final)
-            partial.append(final)
+            if reports:
+                ops.merge_gradient_stats_chunks(torch.stack(reports), final)
+            else:
+                final.zero_()
+            partial.append(globalize_report(final, scope))
         if len(partial) == 1:
             return partial[0]
-        first = devices[0]
+        first = partial[0].device
         final = torch.empty(3, dtype=torch.float32, device=first)
         gathered = torch.stack([r.to(first, non_blocking=True) for r in partial])
         ops.merge_gradient_stats_chunks(gathered, final)
@@ -545,12 +575,28 @@ class AdamW(Optimizer):
 
     def _tensor_norm_clip(self, fused, generic, grad_scale):
         """clip_grad_norm_'s coefficient from a tensor-operation norm (no native stats)."""
-        grads = [g for w in fused for g in w.grads] + [g for _, _, gs in generic for g in gs]
-        if not grads:
+        by_scope: dict = {}
+        for w in fused:
+            by_scope.setdefault(w.bucket.scope, []).extend(w.grads)
+        needs_global = True
+        for _, params, gs in generic:
+            for j, (p, g) in enumerate(zip(params, gs, strict=True)):
+                scope = scope_of(p, self.process_group, needs_global, f"parameter {j}")
+                by_scope.setdefault(scope, []).append(_local(g))
+        for b in self._all_buckets():
+            if b.scope.groups:
+                by_scope.setdefault(b.scope, [])
+        if not by_scope:
             return None
-        first = grads[0].device
-        norms = [torch.linalg.vector_norm(g, dtype=torch.float32).to(first) for g in grads]
-        total = torch.linalg.vector_norm(torch.stack(norms))
+        grads = [g for gs in by_scope.values() for g in gs]
+        first = grads[0].device if grads else next(iter(self._all_buckets())).device
+        squares = []
+        for scope, gs in by_scope.items():
+            sq = torch.zeros((), dtype=torch.float32, device=first)
+            for g in gs:
+                sq = sq + torch.linalg.vector_norm(g, dtype=torch.float32).to(first).square()
+            squares.append(globalize_sum(sq, scope))
+        total = torch.stack(squares).sum().sqrt()
         if grad_scale is not None:
             total = total / grad_scale.to(first).reshape(())
         return (self.max_grad_norm / (total + 1e-6)).clamp(max=1.0).reshape(1)
@@ -644,6 +690,9 @@ def _generic_update(p, grad, st, group, grad_scale, found_inf, clip_coef) -> Non
     corrections are computed from the device step counter in FP64 and cast once."""
     beta1, beta2 = group["betas"]
     lr, eps, wd = group["lr"], group["eps"], group["weight_decay"]
+    # DTensor parameters are updated through their local shards, like the fused path.
+    p, grad = _local(p), _local(grad)
+    st = {k: _local(v) for k, v in st.items()}
     if torch.is_complex(p):
         p, grad = torch.view_as_real(p), torch.view_as_real(grad)
         st = {k: (torch.view_as_real(v) if k != "step" else v) for k, v in st.items()}
