@@ -1,0 +1,231 @@
+"""FP64 reference of the ruda_torch update (SPEC section 1): the oracle for tests.
+
+This module is the explicitly invoked reference that tests, fixtures and benchmarks
+compare the native kernels against. It is deliberately slow and simple: every input is
+copied to a CPU FP64 tensor and the formula is evaluated term by term, exactly as SPEC
+section 1 writes it. The optimizer never calls it, and it imports nothing but torch, so
+it runs before (and without) the native extension being built.
+
+For one-based step ``t = step + 1`` and every element::
+
+    g      = stored_gradient * (clip_coef / gradient_scale)   # negated if maximize
+    m      = beta1 * m_old + (1 - beta1) * g
+    v      = beta2 * v_old + (1 - beta2) * g * g
+    v_used = max(v_max_old, v)          # AMSGrad only; the UNcorrected max is stored
+    p_new  = p * (1 - lr * weight_decay)
+             - lr * (m / (1 - beta1^t)) / (sqrt(v_used / (1 - beta2^t)) + eps)
+
+``1 - beta^t`` is computed by integer exponentiation (repeated squaring) in FP64, the
+same algorithm the kernels use before casting it to FP32; here it stays FP64.
+
+Because the reference is FP64, its own rounding error (about 1e-16 relative) is far
+below FP32 resolution: the error of an FP32 implementation against it is, for test
+purposes, that implementation's true error (see tests/tolerances.py).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+import torch
+from torch import Tensor
+
+__all__ = ["adamw_reference", "bias_correction", "global_norm_reference"]
+
+
+def _integer_power(base: float, exponent: int) -> float:
+    """``base ** exponent`` by repeated squaring in FP64 (Python floats are FP64)."""
+    result = 1.0
+    while exponent > 0:
+        if exponent & 1:
+            result *= base
+        base *= base
+        exponent >>= 1
+    return result
+
+
+def bias_correction(beta: float, t: int) -> float:
+    """``1 - beta**t`` in FP64, with ``beta**t`` computed by repeated squaring.
+
+    Args:
+        beta: the moment coefficient (``beta1`` or ``beta2``).
+        t: the one-based step count, a non-negative integer (``t = 0`` gives 0).
+    """
+    if isinstance(t, bool) or not isinstance(t, int):
+        raise TypeError(f"t must be an int (got {type(t).__name__})")
+    if t < 0:
+        raise ValueError(f"t must be non-negative (got {t})")
+    return 1.0 - _integer_power(float(beta), t)
+
+
+def _to_float64(name: str, tensor: Tensor) -> Tensor:
+    # Every float dtype converts exactly to FP64 (FP16, BF16 and FP32 are subsets), so
+    # the reference sees the stored values themselves, not a rounded copy.
+    if not isinstance(tensor, Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor (got {type(tensor).__name__})")
+    if not tensor.is_floating_point():
+        raise TypeError(f"{name} must be a floating-point tensor (got {tensor.dtype})")
+    return tensor.detach().to(device="cpu", dtype=torch.float64, copy=True)
+
+
+def _state_or_zeros(name: str, tensor: Tensor | None, like: Tensor) -> Tensor:
+    if tensor is None:
+        return torch.zeros_like(like)
+    state = _to_float64(name, tensor)
+    if state.shape != like.shape:
+        raise ValueError(
+            f"{name} must have the same shape as param (got {list(state.shape)} vs "
+            f"{list(like.shape)})"
+        )
+    return state
+
+
+def _old_step(step: int | Tensor) -> int:
+    if isinstance(step, Tensor):
+        if step.numel() != 1:
+            raise ValueError(f"step must be a 0-dim tensor (got shape {list(step.shape)})")
+        value = step.item()
+    elif isinstance(step, bool) or not isinstance(step, int):
+        raise TypeError(f"step must be an int or a 0-dim tensor (got {type(step).__name__})")
+    else:
+        value = step
+    if isinstance(value, float) and not value.is_integer():
+        raise ValueError(f"step must hold an integer count (got {value})")
+    value = int(value)
+    if value < 0:
+        raise ValueError(f"step must be non-negative (got {value})")
+    return value
+
+
+def _check_hyperparameters(
+    lr: float,
+    betas: tuple[float, float],
+    eps: float,
+    weight_decay: float,
+    gradient_scale: float,
+    clip_coef: float,
+) -> None:
+    if not 0.0 <= lr:
+        raise ValueError(f"Invalid learning rate: {lr}")
+    if len(betas) != 2:
+        raise ValueError(f"betas must have two entries (got {len(betas)})")
+    for index, beta in enumerate(betas):
+        if not 0.0 <= beta < 1.0:
+            raise ValueError(f"Invalid beta parameter at index {index}: {beta}")
+    if not 0.0 <= eps:
+        raise ValueError(f"Invalid epsilon value: {eps}")
+    if not 0.0 <= weight_decay:
+        raise ValueError(f"Invalid weight_decay value: {weight_decay}")
+    if not (math.isfinite(gradient_scale) and gradient_scale > 0.0):
+        raise ValueError(f"gradient_scale must be finite and positive (got {gradient_scale})")
+    if not math.isfinite(clip_coef):
+        raise ValueError(f"clip_coef must be finite (got {clip_coef})")
+
+
+def adamw_reference(
+    param: Tensor,
+    grad: Tensor,
+    exp_avg: Tensor | None,
+    exp_avg_sq: Tensor | None,
+    max_exp_avg_sq: Tensor | None,
+    step: int | Tensor,
+    *,
+    lr: float,
+    betas: tuple[float, float],
+    eps: float,
+    weight_decay: float,
+    amsgrad: bool = False,
+    maximize: bool = False,
+    gradient_scale: float = 1.0,
+    clip_coef: float = 1.0,
+) -> tuple[Tensor, Tensor, Tensor, Tensor | None, Tensor]:
+    """One AdamW / AMSGrad step of SPEC section 1 in FP64, out of place.
+
+    Args:
+        param: parameter values, any float dtype and shape.
+        grad: the STORED gradient (before unscaling), any float dtype, same shape as
+            ``param``; converted exactly to FP64.
+        exp_avg: first moment ``m`` before the step, or None for a fresh state (zeros).
+        exp_avg_sq: second moment ``v`` before the step, or None for zeros.
+        max_exp_avg_sq: AMSGrad's running maximum of ``v`` before the step, or None for
+            zeros. Ignored without ``amsgrad``.
+        step: the number of steps taken so far (the OLD count, a non-negative integer or
+            a 0-dim tensor holding one); the update uses ``t = step + 1``.
+        lr: learning rate.
+        betas: ``(beta1, beta2)``, each in [0, 1).
+        eps: added to the bias-corrected square root, outside it.
+        weight_decay: decoupled weight decay; never touches the gradient or moments.
+        amsgrad: use ``max(v_max_old, v)`` in the denominator (default False).
+        maximize: negate the gradient (default False).
+        gradient_scale: the stored gradient is divided by this (default 1.0), finite
+            and positive.
+        clip_coef: the unscaled gradient is multiplied by this (default 1.0).
+
+    Returns:
+        ``(param, exp_avg, exp_avg_sq, max_exp_avg_sq, step)``: new FP64 CPU tensors
+        shaped like ``param`` (``max_exp_avg_sq`` is None without ``amsgrad``), and the
+        new step count ``t`` as a 0-dim FP64 tensor. The inputs are not modified.
+    """
+    _check_hyperparameters(lr, betas, eps, weight_decay, gradient_scale, clip_coef)
+    p = _to_float64("param", param)
+    g = _to_float64("grad", grad)
+    if g.shape != p.shape:
+        raise ValueError(
+            f"grad must have the same shape as param (got {list(g.shape)} vs {list(p.shape)})"
+        )
+    m = _state_or_zeros("exp_avg", exp_avg, p)
+    v = _state_or_zeros("exp_avg_sq", exp_avg_sq, p)
+    v_max = _state_or_zeros("max_exp_avg_sq", max_exp_avg_sq, p) if amsgrad else None
+    t = _old_step(step) + 1
+    beta1, beta2 = (float(beta) for beta in betas)
+
+    g = g * (clip_coef / gradient_scale)
+    if maximize:
+        g = -g
+    m = beta1 * m + (1.0 - beta1) * g
+    v = beta2 * v + (1.0 - beta2) * g * g
+    v_used = v
+    if v_max is not None:
+        v_max = torch.maximum(v_max, v)
+        v_used = v_max
+    bc1 = bias_correction(beta1, t)
+    bc2 = bias_correction(beta2, t)
+    p = p * (1.0 - lr * weight_decay) - lr * (m / bc1) / (torch.sqrt(v_used / bc2) + eps)
+    return p, m, v, v_max, torch.tensor(float(t), dtype=torch.float64)
+
+
+def global_norm_reference(
+    grads: Tensor | Iterable[Tensor], gradient_scale: float = 1.0
+) -> tuple[float, float, int]:
+    """FP64 gradient statistics of SPEC section 2 over the unscaled gradients.
+
+    The unscaled gradient is ``stored / gradient_scale`` (each tensor converted exactly
+    to FP64 first). Non-finite elements (NaN, +-inf) are counted and excluded from the
+    sum of squares and the maximum.
+
+    Args:
+        grads: one tensor or an iterable of tensors, any float dtype and shape.
+        gradient_scale: the stored gradients are divided by this (default 1.0), finite
+            and positive.
+
+    Returns:
+        ``(sum_of_squares, max_abs, nonfinite_count)`` as Python ``float``, ``float``,
+        ``int``; ``(0.0, 0.0, 0)`` when there are no elements. The global norm is
+        ``sqrt(sum_of_squares)``.
+    """
+    if not (math.isfinite(gradient_scale) and gradient_scale > 0.0):
+        raise ValueError(f"gradient_scale must be finite and positive (got {gradient_scale})")
+    tensors = [grads] if isinstance(grads, Tensor) else list(grads)
+    sum_of_squares = 0.0
+    max_abs = 0.0
+    nonfinite = 0
+    for index, tensor in enumerate(tensors):
+        values = _to_float64(f"grads[{index}]", tensor).reshape(-1) / gradient_scale
+        finite = torch.isfinite(values)
+        nonfinite += int((~finite).sum().item())
+        kept = values[finite]
+        if kept.numel() > 0:
+            sum_of_squares += float(torch.sum(kept * kept).item())
+            max_abs = max(max_abs, float(kept.abs().max().item()))
+    return sum_of_squares, max_abs, nonfinite
