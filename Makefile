@@ -48,13 +48,15 @@ BUILD_SWITCHES := RUDA_TORCH_CUDA=$(RUDA_TORCH_CUDA) CUDA_HOME=$(CUDA_HOME) \
 	TORCH_CUDA_ARCH_LIST=$(TORCH_CUDA_ARCH_LIST) RUDA_TORCH_CPU_ISA=$(RUDA_TORCH_CPU_ISA)
 
 .DEFAULT_GOAL := help
-.PHONY: help deps build test demo bench check format versions clean distclean FORCE
+.PHONY: help deps build test test-cpu-torch demo bench check format versions clean distclean FORCE
 
 help:
 	@echo "make test       set up .venv, build the extension, run the test suite"
 	@echo "make demo       set up and build, then train a small MLP with torch's and our AdamW"
 	@echo "make build      set up .venv and build the extension only"
 	@echo "make bench      set up and build, then run benchmarks/bench_adamw.py"
+	@echo "make test-cpu-torch  build against the CPU-only torch 2.13.0 in .venv-cpu (CPU kernels"
+	@echo "                only) and run the kernel tests there"
 	@echo "make check      ruff check, ruff format --check, clang-format --dry-run over csrc/"
 	@echo "make format     apply ruff (import order, format) and clang-format"
 	@echo "make versions   print the versions of the tools in the environment"
@@ -157,6 +159,31 @@ format: $(LINT_STAMP)
 	$(RUFF) check --select I --fix .
 	$(RUFF) format .
 	$(if $(CSRC),$(CLANG_FORMAT) -i $(CSRC),@echo "clang-format: no C++/CUDA sources under csrc/")
+
+
+# A CPU-only torch must build the CPU kernels alone (setup.py skips CUDA with a message).
+# The build uses a copy of the sources under build/, so that it shares neither objects nor
+# the in-place extension with the main environment, and the tests run from outside the
+# repository so that they import the package installed in $(CPU_VENV).
+CPU_VENV ?= .venv-cpu
+CPU_TORCH ?= torch==2.13.0
+CPU_TESTS ?= tests/test_fixtures.py tests/test_stats.py tests/test_ops.py
+
+$(CPU_VENV)/.stamp-deps:
+	$(PYTHON) -m venv $(CPU_VENV)
+	$(CPU_VENV)/bin/python -m pip install $(CPU_TORCH) numpy pytest ninja setuptools wheel
+	@touch $@
+
+test-cpu-torch: $(CPU_VENV)/.stamp-deps
+	rm -rf build/cpu-torch-src && mkdir -p build/cpu-torch-src
+	tar cf - setup.py pyproject.toml README.md csrc ruda_torch --exclude='*.so' \
+		--exclude=__pycache__ | tar xf - -C build/cpu-torch-src
+	$(CPU_VENV)/bin/python -m pip install --no-build-isolation --no-deps -v build/cpu-torch-src
+	cd build && ../$(CPU_VENV)/bin/python -c "import torch, ruda_torch; \
+		print('torch', torch.__version__, 'backends', ruda_torch.compiled_backends()); \
+		assert ruda_torch.compiled_backends() == ('cpu',)"
+	cd build && ../$(CPU_VENV)/bin/python -m pytest -q -p no:cacheprovider \
+		$(addprefix ../,$(CPU_TESTS))
 
 # -------------------------------------------------------------------------------- cleanup
 

@@ -74,23 +74,53 @@ def stats_rows_for(numel: int) -> int:
 
 
 # Fake registrations: every operator mutates preallocated storage and returns nothing.
+# They run under FakeTensor/torch.compile, and also eagerly when any argument is a meta
+# tensor: then the arguments must all be on one device, or a CPU call with one stray meta
+# tensor would silently do nothing (`slots` is host metadata and always on the CPU).
+def _same_device(op: str, named) -> None:
+    """Raise unless every tensor in ``named`` ((name, tensor, list or None) pairs) is on
+    one device."""
+    first = None
+    for name, value in named:
+        tensors = value if isinstance(value, (list, tuple)) else [value]
+        for i, t in enumerate(tensors):
+            if t is None:
+                continue
+            label = f"{name}[{i}]" if isinstance(value, (list, tuple)) else name
+            if first is None:
+                first = (label, t.device)
+            elif t.device != first[1]:
+                raise RuntimeError(
+                    f"ruda_torch.{op}: {label} is on {t.device} but {first[0]} is on "
+                    f"{first[1]}; all tensors must be on one device"
+                )
+
+
 @torch.library.register_fake("ruda_torch::adamw_scaled_")
 def _adamw_scaled_fake(params, grads, exp_avg, exp_avg_sq, max_exp_avg_sq, steps, slots,
                        grad_scale, found_inf, stats, clip_coef, lr, beta1, beta2, eps,
                        weight_decay, max_grad_norm, maximize):  # fmt: skip
-    return None
+    _same_device("adamw_scaled_", [
+        ("params", params), ("grads", grads), ("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq),
+        ("max_exp_avg_sq", max_exp_avg_sq), ("steps", steps), ("grad_scale", grad_scale),
+        ("found_inf", found_inf), ("stats", stats), ("clip_coef", clip_coef),
+    ])  # fmt: skip
+    if slots.is_meta and exp_avg.device.type != "meta":
+        raise RuntimeError(
+            "ruda_torch.adamw_scaled_: slots is a meta tensor; it must be a CPU int64 tensor"
+        )
 
 
 @torch.library.register_fake("ruda_torch::analyze_gradient")
 def _analyze_gradient_fake(grads, grad_scale, rows):
-    return None
+    _same_device("analyze_gradient", [("grads", grads), ("grad_scale", grad_scale), ("rows", rows)])
 
 
 @torch.library.register_fake("ruda_torch::merge_gradient_stats")
 def _merge_gradient_stats_fake(rows, out):
-    return None
+    _same_device("merge_gradient_stats", [("rows", rows), ("out", out)])
 
 
 @torch.library.register_fake("ruda_torch::merge_gradient_stats_chunks")
 def _merge_gradient_stats_chunks_fake(reports, out):
-    return None
+    _same_device("merge_gradient_stats_chunks", [("reports", reports), ("out", out)])

@@ -39,8 +39,13 @@ _TORCH_GROUP_KEYS = dict(
 )
 
 
+_PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
+
+
 def _local(t: torch.Tensor) -> torch.Tensor:
-    """The local shard of a DTensor, or the tensor itself."""
+    """The local shard of a DTensor, or the tensor itself (fast for plain tensors)."""
+    if type(t) in _PLAIN_TYPES:
+        return t
     to_local = getattr(t, "to_local", None)
     return to_local() if to_local is not None else t
 
@@ -76,7 +81,10 @@ class GradientReport:
         """``min(1, max_grad_norm / (norm + 1e-6))``, or 1 without ``max_grad_norm``."""
         if self._max_grad_norm is None:
             return torch.ones((), dtype=torch.float32, device=self.tensor.device)
-        return (self._max_grad_norm / (self.grad_norm + 1e-6)).clamp(max=1.0)
+        norm = self.grad_norm
+        # A true division, as in the kernel (a Python scalar over a tensor would multiply by
+        # a reciprocal instead).
+        return (torch.full_like(norm, self._max_grad_norm) / (norm + 1e-6)).clamp(max=1.0)
 
     @property
     def skipped(self) -> torch.Tensor:
@@ -115,7 +123,6 @@ class _Bucket:
         ).reshape(-1, 2)
         self.has_state = [False] * len(params)
         self._slots_cache: tuple | None = None
-        self.last_grads: list | None = None
         self.n_rows_all = sum(ops.stats_rows_for(t.numel()) for t in self.locals)
         self.rows = None  # statistics buffers, allocated on first use
         self.scratch = None
@@ -314,11 +321,17 @@ class AdamW(Optimizer):
             raise ValueError(
                 "hierarchical_stats=True requires fused_step=True in every param group"
             )
-        super().add_param_group(param_group)
-        group = self.param_groups[-1]
-        if group["fused_step"]:
-            for j, p in enumerate(group["params"]):
-                _check_fused_param(p, len(self.param_groups) - 1, j)
+        params = param_group["params"]
+        if isinstance(params, torch.Tensor):
+            params = [params]
+        elif not isinstance(params, set):  # torch's own error for sets stays torch's
+            params = list(params)
+        if merged[
+            "fused_step"
+        ]:  # checked before the group exists: a rejected group leaves no trace
+            for j, p in enumerate(params):
+                _check_fused_param(p, len(self.param_groups), j)
+        super().add_param_group({**param_group, "params": params})
 
     # ------------------------------------------------------------------ checkpoints
     def load_state_dict(self, state_dict: dict) -> None:
@@ -406,12 +419,8 @@ class AdamW(Optimizer):
                         continue
                     if len(active) != len(grads):
                         grads = [grads[i] for i in active]
-                    if bucket.last_grads is None or not (
-                        len(grads) == len(bucket.last_grads)
-                        and all(map(operator.is_, grads, bucket.last_grads))
-                    ):
-                        _check_grads(grads, gi)
-                    fused.append(_FusedWork(bucket, group, active, grads))
+                    _check_grads(grads, gi)
+                    fused.extend(_split_by_dtype(_FusedWork(bucket, group, active, grads)))
             else:
                 params = [p for p in group["params"] if p.grad is not None]
                 grads = [p.grad for p in params]
@@ -430,7 +439,6 @@ class AdamW(Optimizer):
                 if not b.has_state[i]:
                     self.state[b.params[i]] = b.state_views(i, b.params[i])
                     b.has_state[i] = True
-            b.last_grads = work.grads
             if b.distributed:
                 work.grads = [_local(g) for g in work.grads]
         for group, params, _ in generic:
@@ -459,7 +467,7 @@ class AdamW(Optimizer):
                 work.grads,
                 b.exp_avg,
                 b.exp_avg_sq,
-                b.max_exp_avg_sq,
+                b.max_exp_avg_sq if g["amsgrad"] else None,
                 b.steps,
                 b.slots(work.active),
                 lr=g["lr"],
@@ -602,6 +610,29 @@ class AdamW(Optimizer):
         return (self.max_grad_norm / (total + 1e-6)).clamp(max=1.0).reshape(1)
 
 
+def _split_by_dtype(work: _FusedWork) -> list[_FusedWork]:
+    """One kernel call takes one gradient dtype: split a bucket's active parameters by
+    the dtype of their gradients (normally a single dtype, and no split)."""
+    dtypes = set(map(_dtype_of, work.grads))
+    if len(dtypes) == 1:
+        return [work]
+    parts = []
+    for dtype in sorted(dtypes, key=str):
+        keep = [k for k, g in enumerate(work.grads) if g.dtype == dtype]
+        parts.append(
+            _FusedWork(
+                work.bucket,
+                work.group,
+                [work.active[k] for k in keep],
+                [work.grads[k] for k in keep],
+            )
+        )
+    return parts
+
+
+_dtype_of = operator.attrgetter("dtype")
+
+
 class _PerDevice:
     """Copies of small control tensors on each device that needs them, made once a step."""
 
@@ -660,6 +691,12 @@ def _check_fused_param(p: torch.Tensor, gi: int, j: int) -> None:
 
 
 def _check_grads(grads, gi: int, fused: bool = True) -> None:
+    # The common case in two C-level passes (thousands of parameters per step); the loop
+    # below only runs to name the offending gradient.
+    if not any(map(_is_sparse, grads)) and (
+        not fused or all(map(torch.Tensor.is_contiguous, map(_local, grads)))
+    ):
+        return
     for j, g in enumerate(grads):
         if g.is_sparse:
             raise RuntimeError(
@@ -672,6 +709,9 @@ def _check_grads(grads, gi: int, fused: bool = True) -> None:
                 f"has a gradient with strides {tuple(_local(g).stride())} for shape "
                 f"{tuple(g.shape)}"
             )
+
+
+_is_sparse = operator.attrgetter("is_sparse")
 
 
 def _fresh_state(p: torch.Tensor, amsgrad: bool) -> dict:

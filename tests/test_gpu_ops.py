@@ -1,0 +1,417 @@
+"""The CUDA kernels of the native operators against the CPU ones, bit for bit.
+
+Note [One math, two backends] (csrc/adamw_math.h) and Note [Canonical reduction order]
+(csrc/grad_stats.h) promise that the CPU and CUDA kernels give the same bits for the
+same inputs; the CPU kernels are checked against the FP64 reference, torch.optim.AdamW
+and a NumPy emulation in tests/test_ops.py and tests/test_stats.py, so parity here
+carries those checks over to the GPU. Also: no host synchronization in a full fused
+optimizer step, a tensor of more than 2**31 elements, and device errors.
+
+Every test needs a CUDA device (marked `gpu`, skipped without one). A GPU without the
+CUDA kernels built fails them: nothing falls back to the CPU silently.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from test_ops import (
+    CONFIGS,
+    DTYPE_IDS,
+    GRAD_DTYPES,
+    QUANTITIES,
+    Bucket,
+    Config,
+    State,
+    make_bucket,
+    native_step,
+    odd_view,
+    random_state,
+    same_bits,
+    seed_of,
+    stored_grad,
+)
+from test_stats import random_grad, run_analyze, run_merge
+
+import ruda_torch
+from ruda_torch import ops
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+CUDA = torch.device("cuda")
+SIZES = [0, 1, 7, 97, 1025, 4097, 65537]
+N_STEPS = 3
+
+
+def to_device(state: State, device) -> State:
+    def move(t):
+        return None if t is None else t.to(device)
+
+    return State(*(move(state.get(q)) for q in QUANTITIES), state.step)
+
+
+def assert_states_bitwise(cpu: State, cuda: State, what: str) -> None:
+    for name in QUANTITIES:
+        a, b = cpu.get(name), cuda.get(name)
+        assert same_bits(a, None if b is None else b.cpu()), f"{what}: {name} differs"
+    assert cpu.step == cuda.step, f"{what}: step"
+
+
+def bucket_to(bucket: Bucket, device) -> Bucket:
+    def move(t):
+        return None if t is None else t.to(device)
+
+    return Bucket(
+        [p.to(device) for p in bucket.params],
+        list(bucket.offsets),
+        list(bucket.step_ids),
+        bucket.exp_avg.to(device),
+        bucket.exp_avg_sq.to(device),
+        move(bucket.max_exp_avg_sq),
+        bucket.steps.to(device),
+    )
+
+
+# ------------------------------------------------------------------ adamw_scaled_ parity
+
+
+@pytest.mark.parametrize("grad_dtype", GRAD_DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("numel", SIZES)
+@pytest.mark.parametrize("cfg", CONFIGS, ids=[c.id for c in CONFIGS])
+def test_adamw_cuda_matches_cpu_bitwise(cfg, numel, grad_dtype):
+    gen = torch.Generator().manual_seed(seed_of("gpu", cfg.id, numel, str(grad_dtype)))
+    on_cpu = random_state(gen, numel, cfg)
+    on_cuda = to_device(on_cpu, CUDA)
+    for k in range(N_STEPS):
+        grad = stored_grad(gen, numel, grad_dtype, cfg.gradient_scale)
+        grad_cuda = grad.to(CUDA)
+        saved = grad_cuda.clone()
+        on_cpu = native_step(on_cpu, grad, cfg)
+        on_cuda = native_step(on_cuda, grad_cuda, cfg)
+        assert same_bits(grad_cuda, saved), "the CUDA kernel wrote the gradient"
+        assert_states_bitwise(on_cpu, on_cuda, f"step {k + 1}")
+
+
+@pytest.mark.parametrize("grad_dtype", GRAD_DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("amsgrad", [False, True], ids=["adamw", "amsgrad"])
+def test_adamw_cuda_bucket_matches_cpu_bitwise(amsgrad, grad_dtype):
+    cfg = Config("gpu_bucket", lr=1e-2, weight_decay=0.05, amsgrad=amsgrad, maximize=amsgrad)
+    gen = torch.Generator().manual_seed(seed_of("gpu_bucket", amsgrad, str(grad_dtype)))
+    shapes = [(7, 13), (0,), (1,), (4096 * 3 + 5,), (65537,), (4095,), (33,)]
+    cpu = make_bucket(gen, shapes, amsgrad)
+    cuda = bucket_to(cpu, CUDA)
+    active = [0, 1, 3, 4, 6]
+    grads = [stored_grad(gen, cpu.params[i].numel(), grad_dtype, 3.0) for i in active]
+    grads = [g.view(cpu.params[i].shape) for g, i in zip(grads, active, strict=True)]
+    for bucket, device in ((cpu, "cpu"), (cuda, CUDA)):
+        for _ in range(N_STEPS):
+            ops.adamw_scaled_(
+                [bucket.params[i] for i in active],
+                [g.to(device) for g in grads],
+                bucket.exp_avg,
+                bucket.exp_avg_sq,
+                bucket.max_exp_avg_sq,
+                bucket.steps,
+                bucket.slots(active),
+                grad_scale=torch.tensor([3.0], device=device),
+                found_inf=torch.zeros((), device=device),
+                **cfg.op_kwargs(),
+            )
+    for i, (a, b) in enumerate(zip(cpu.written(), cuda.written(), strict=True)):
+        assert same_bits(a, b.cpu()), f"written tensor {i} differs between CPU and CUDA"
+
+
+@pytest.mark.parametrize("grad_dtype", GRAD_DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("numel", [97, 65537])
+def test_adamw_cuda_unaligned_views(numel, grad_dtype):
+    cfg = Config("gpu_unaligned", amsgrad=True, gradient_scale=3.0)
+    gen = torch.Generator().manual_seed(seed_of("gpu_unaligned", numel, str(grad_dtype)))
+    start = random_state(gen, numel, cfg)
+    grads = [stored_grad(gen, numel, grad_dtype, 3.0) for _ in range(N_STEPS)]
+    on_cpu = start
+    for g in grads:
+        on_cpu = native_step(on_cpu, g, cfg)
+    views = [
+        odd_view(start.get(q).to(CUDA), off)[0]
+        for q, off in zip(QUANTITIES, (1, 3, 1, 2), strict=True)
+    ]
+    steps, _ = odd_view(torch.tensor([float(start.step)], device=CUDA), 1)
+    for g in grads:
+        g_view, _ = odd_view(g.to(CUDA), 1)
+        ops.adamw_scaled_(
+            [views[0]],
+            [g_view],
+            views[1],
+            views[2],
+            views[3],
+            steps,
+            torch.zeros(1, 2, dtype=torch.int64),
+            grad_scale=torch.tensor([3.0], device=CUDA),
+            **cfg.op_kwargs(),
+        )
+    assert_states_bitwise(on_cpu, State(*views, int(steps.item())), "unaligned")
+
+
+SKIP_CLIP_CASES = [
+    # (id, control on the device, skipped?)
+    ("found_inf_0d", lambda d: dict(found_inf=torch.tensor(2.0, device=d)), True),
+    ("found_inf_1d", lambda d: dict(found_inf=torch.tensor([1.0], device=d)), True),
+    ("found_inf_zero", lambda d: dict(found_inf=torch.tensor([0.0], device=d)), False),
+    ("stats_nonfinite", lambda d: dict(stats=torch.tensor([4.0, 1.0, 1.0], device=d)), True),
+    (
+        "stats_clip",
+        lambda d: dict(stats=torch.tensor([16.0, 1.0, 0.0], device=d), max_grad_norm=1.0),
+        False,
+    ),
+    ("clip_coef", lambda d: dict(clip_coef=torch.tensor([0.3], device=d)), False),
+]
+
+
+@pytest.mark.parametrize(
+    "control,skipped", [c[1:] for c in SKIP_CLIP_CASES], ids=[c[0] for c in SKIP_CLIP_CASES]
+)
+def test_adamw_cuda_skip_and_clip_match_cpu(control, skipped):
+    cfg = Config("gpu_control", amsgrad=True, maximize=True, gradient_scale=512.0)
+    gen = torch.Generator().manual_seed(seed_of("gpu_control", skipped))
+    start = random_state(gen, 1025, cfg)
+    grad = stored_grad(gen, 1025, torch.float16, 512.0)
+    on_cpu = native_step(start, grad, cfg, **control("cpu"))
+    on_cuda = native_step(to_device(start, CUDA), grad.to(CUDA), cfg, **control(CUDA))
+    assert_states_bitwise(on_cpu, on_cuda, "control")
+    if skipped:
+        assert_states_bitwise(start, on_cuda, "skipped step")
+
+
+DEVICE_ERRORS = [
+    # (id, break the CUDA call, expected message)
+    (
+        "slots_on_cuda",
+        lambda a: a.update(slots=a["slots"].to(CUDA)),
+        r"slots must be a contiguous CPU int64 tensor of shape \[2, 2\] .* on cuda:0\)",
+    ),
+    (
+        "grad_on_cpu",
+        lambda a: a.update(grads=[a["grads"][0], a["grads"][1].cpu()]),
+        r"grads\[1\] must be on cuda:0 like the first tensor \(got cpu\)",
+    ),
+    (
+        "param_on_cpu",
+        lambda a: a.update(params=[a["params"][0], a["params"][1].cpu()]),
+        r"params\[1\] must be on cuda:0 like the first tensor \(got cpu\)",
+    ),
+    (
+        "exp_avg_on_cpu",
+        lambda a: a.update(exp_avg=a["exp_avg"].cpu()),
+        r"exp_avg must be on cuda:0 like the first tensor \(got cpu\)",
+    ),
+    (
+        "found_inf_on_cpu",
+        lambda a: a.update(found_inf=torch.zeros(1)),
+        r"found_inf must be on cuda:0 like the first tensor \(got cpu\)",
+    ),
+    (
+        "grad_scale_on_cpu",
+        lambda a: a.update(grad_scale=torch.ones(1)),
+        r"grad_scale must be on cuda:0",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    "breaker,message", [c[1:] for c in DEVICE_ERRORS], ids=[c[0] for c in DEVICE_ERRORS]
+)
+def test_adamw_cuda_device_errors_change_nothing(breaker, message):
+    args = dict(
+        params=[torch.randn(5, device=CUDA), torch.randn(7, device=CUDA)],
+        grads=[torch.randn(5, device=CUDA), torch.randn(7, device=CUDA)],
+        exp_avg=torch.randn(12, device=CUDA),
+        exp_avg_sq=torch.rand(12, device=CUDA),
+        max_exp_avg_sq=None,
+        steps=torch.tensor([1.0, 2.0], device=CUDA),
+        slots=torch.tensor([[0, 0], [5, 1]]),
+        grad_scale=torch.ones(1, device=CUDA),
+        found_inf=torch.zeros(1, device=CUDA),
+    )
+    breaker(args)
+    tensors = [*args["params"], *args["grads"], args["exp_avg"], args["exp_avg_sq"], args["steps"]]
+    saved = [t.clone() for t in tensors]
+    with pytest.raises(RuntimeError, match=message):
+        ops.adamw_scaled_(
+            args["params"],
+            args["grads"],
+            args["exp_avg"],
+            args["exp_avg_sq"],
+            args["max_exp_avg_sq"],
+            args["steps"],
+            args["slots"],
+            lr=1e-3,
+            beta1=0.9,
+            beta2=0.999,
+            eps=1e-8,
+            weight_decay=0.0,
+            grad_scale=args["grad_scale"],
+            found_inf=args["found_inf"],
+        )
+    torch.cuda.synchronize()
+    for a, b in zip(saved, tensors, strict=True):
+        assert same_bits(a, b)
+
+
+# ------------------------------------------------------------- no host synchronization
+
+
+def test_fused_hierarchical_step_does_not_sync():
+    gen = torch.Generator().manual_seed(31)
+    shapes = [(256, 128), (128,), (4097,), (3, 5, 7), (0,)]
+    params = [torch.nn.Parameter(torch.randn(s, generator=gen).to(CUDA)) for s in shapes]
+    opt = ruda_torch.AdamW(
+        params, lr=1e-3, fused_step=True, hierarchical_stats=True, max_grad_norm=1.0
+    )
+
+    def set_grads():
+        for p in params:
+            p.grad = (torch.randn(p.shape, generator=gen) * 1024.0).to(CUDA)
+        # What torch.amp.GradScaler sets before calling step() on an optimizer with
+        # _step_supports_amp_scaling: the (1,)-shaped scale and found_inf on the device.
+        opt.grad_scale = torch.full((1,), 1024.0, device=CUDA)
+        opt.found_inf = torch.zeros(1, device=CUDA)
+
+    set_grads()
+    opt.step()  # the first step builds the buckets and the state
+    torch.cuda.synchronize()
+    before = [p.detach().clone() for p in params]
+    set_grads()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        opt.step()
+        report = opt.last_report  # reading the attribute itself must not sync either
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    assert report is not None
+    assert not bool(report.skipped)
+    assert float(report.clip_coef) <= 1.0
+    assert math.isfinite(float(report.grad_norm))
+    changed = [not torch.equal(a, p.detach()) for a, p in zip(before, params, strict=True)]
+    assert all(changed[:4]), "a parameter with a gradient was not updated"
+
+
+# --------------------------------------------------------------- more than 2**31 elements
+
+HUGE = 2**31 + 4097
+
+
+def test_adamw_and_stats_beyond_int32_indexing():
+    needed = HUGE * (4 + 2 + 4 + 4) + 2**30  # param, BF16 grad, two moments, slack
+    free, _ = torch.cuda.mem_get_info()
+    if free < needed:
+        pytest.skip(f"needs {needed / 2**30:.1f} GiB of free GPU memory, {free / 2**30:.1f} free")
+    gen = torch.Generator(device=CUDA).manual_seed(0)
+    param = torch.empty(HUGE, device=CUDA).uniform_(-1.0, 1.0, generator=gen)
+    grad = torch.empty(HUGE, device=CUDA, dtype=torch.bfloat16).normal_(0.0, 4.0, generator=gen)
+    exp_avg = torch.empty(HUGE, device=CUDA).normal_(0.0, 0.01, generator=gen)
+    exp_avg_sq = torch.empty(HUGE, device=CUDA).uniform_(0.0, 1e-4, generator=gen)
+    steps = torch.tensor([4.0], device=CUDA)
+    positions = [0, 1, 4095, 4096, 2**31 - 1, 2**31, 2**31 + 1, 2**31 + 4096, HUGE - 2, HUGE - 1]
+    positions += torch.randint(0, HUGE, (22,), generator=torch.Generator().manual_seed(1)).tolist()
+    idx = torch.tensor(sorted({i for i in positions if i < HUGE}), device=CUDA)
+    samples = [t[idx].cpu() for t in (param, grad, exp_avg, exp_avg_sq)]
+    hyper = dict(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01)
+
+    ops.adamw_scaled_(
+        [param],
+        [grad],
+        exp_avg,
+        exp_avg_sq,
+        None,
+        steps,
+        torch.zeros(1, 2, dtype=torch.int64),
+        grad_scale=torch.tensor([3.0], device=CUDA),
+        **hyper,
+    )
+    # The same elements through the CPU kernel (its leftover loop: the same math).
+    p, g, m, v = (t.clone() for t in samples)
+    cpu_steps = torch.tensor([4.0])
+    ops.adamw_scaled_(
+        [p], [g], m, v, None, cpu_steps, torch.zeros(1, 2, dtype=torch.int64),
+        grad_scale=torch.tensor([3.0]), **hyper,
+    )  # fmt: skip
+    assert steps.item() == 5.0
+    for name, got, expected in (
+        ("param", param[idx].cpu(), p),
+        ("exp_avg", exp_avg[idx].cpu(), m),
+        ("exp_avg_sq", exp_avg_sq[idx].cpu(), v),
+    ):
+        assert same_bits(got, expected), f"{name} at {idx.tolist()}"
+    del param, exp_avg, exp_avg_sq
+
+    # Statistics rows of the same gradient: the rows around 2**31 against the CPU kernel.
+    rows = torch.empty(ops.stats_rows_for(HUGE), 3, device=CUDA)
+    ops.analyze_gradient([grad], rows, torch.tensor([3.0], device=CUDA))
+    last_row = rows.shape[0] - 1
+    for r in sorted({min(r, last_row) for r in (0, (2**31 - 1) // 4096, 2**31 // 4096, last_row)}):
+        chunk = grad[r * 4096 : (r + 1) * 4096].cpu()
+        expected = torch.empty(1, 3)
+        ops.analyze_gradient([chunk], expected, torch.tensor([3.0]))
+        assert same_bits(rows[r].cpu(), expected[0]), f"statistics row {r}"
+    del grad, rows
+    torch.cuda.empty_cache()
+
+
+# ------------------------------------------------------------------- statistics parity
+
+STATS_SIZES = [0, 1, 255, 4095, 4096, 4097, 3 * 4096 + 100, 1_000_003]
+
+
+@pytest.mark.parametrize("grad_scale", [None, 1024.0, 3.0], ids=["unscaled", "1024", "3"])
+@pytest.mark.parametrize("dtype", GRAD_DTYPES, ids=DTYPE_IDS)
+def test_analyze_gradient_cuda_matches_cpu_bitwise(dtype, grad_scale):
+    gen = torch.Generator().manual_seed(seed_of("gpu_stats", str(dtype), grad_scale))
+    grads = [random_grad(gen, n, dtype, grad_scale or 1.0) for n in STATS_SIZES]
+    grads[2][7] = float("nan")
+    grads[5][4096] = float("-inf")
+    cpu_rows = run_analyze(grads, grad_scale)
+    cuda_grads = [g.to(CUDA) for g in grads]
+    cuda_rows = run_analyze(cuda_grads, grad_scale)
+    assert same_bits(cpu_rows, cuda_rows.cpu())
+    for a, b in zip(grads, cuda_grads, strict=True):
+        assert same_bits(a, b.cpu()), "analyze_gradient wrote a gradient"
+    # The whole report through the plan.
+    plan = ruda_torch.StatsPlan(cpu_rows.shape[0])
+    reports = []
+    for rows in (cpu_rows, cuda_rows):
+        out = torch.empty(3, device=rows.device)
+        plan.reduce(rows, torch.empty(max(plan.scratch_elements, 1), device=rows.device), out)
+        reports.append(out.cpu())
+    assert same_bits(reports[0], reports[1])
+
+
+@pytest.mark.parametrize("n_rows", [1, 255, 1024, 1025, 3000, 1024 * 1024 + 1])
+def test_merge_gradient_stats_cuda_matches_cpu_bitwise(n_rows):
+    gen = torch.Generator().manual_seed(n_rows)
+    rows = torch.rand(n_rows, 3, generator=gen)
+    rows[:, 0] *= torch.pow(10.0, torch.empty(n_rows).uniform_(-6, 3, generator=gen))
+    rows[:, 2] = torch.randint(0, 3, (n_rows,), generator=gen).float()
+    assert same_bits(run_merge(rows), run_merge(rows.to(CUDA)).cpu())
+
+
+@pytest.mark.parametrize("n_reports", [0, 1, 5, 64])
+def test_merge_gradient_stats_chunks_cuda_matches_cpu_bitwise(n_reports):
+    gen = torch.Generator().manual_seed(200 + n_reports)
+    reports = torch.rand(n_reports, 3, generator=gen) * 1e3
+    out_cpu = torch.empty(3)
+    out_cuda = torch.empty(3, device=CUDA)
+    ops.merge_gradient_stats_chunks(reports, out_cpu)
+    ops.merge_gradient_stats_chunks(reports.to(CUDA), out_cuda)
+    assert same_bits(out_cpu, out_cuda.cpu())
+
+
+def test_cuda_is_a_compiled_backend():
+    # A GPU is present: the CUDA kernels must have been built (no silent CPU fallback).
+    assert "cuda" in ruda_torch.compiled_backends()
