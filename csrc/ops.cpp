@@ -4,6 +4,8 @@
 #include <Python.h>
 #include <torch/library.h>
 
+#include <string>
+
 #include "grad_stats.h"
 
 // Importing ruda_torch._C runs the static registrations below; the module itself only
@@ -45,37 +47,63 @@ TORCH_LIBRARY(ruda_torch, m) {
   m.def("merge_gradient_stats_chunks(Tensor reports, Tensor(a!) out) -> ()");
 }
 
-#ifndef RUDA_TORCH_WITH_CUDA
-// No silent fallback: a CUDA tensor reaching a build without CUDA kernels gets an error
-// that says how to build them, instead of the dispatcher's generic message.
+// No silent fallback: tensors that no kernel of this build can take get an error that
+// says what to do, instead of the dispatcher's generic "Could not run" message. Boxed
+// kernels, so one function serves every operator whatever its signature.
 namespace {
-[[noreturn]] void no_cuda(const char* op) {
-  TORCH_CHECK(false, "ruda_torch.", op,
+
+// "grads[1]" for the first sparse tensor among the arguments (lists included).
+std::string first_sparse_argument(const c10::OperatorHandle& op, const torch::jit::Stack& stack) {
+  const auto& args = op.schema().arguments();
+  const size_t first = stack.size() - args.size();
+  for (size_t a = 0; a < args.size(); ++a) {
+    const c10::IValue& v = stack[first + a];
+    if (v.isTensor() && v.toTensor().defined() && v.toTensor().is_sparse()) return args[a].name();
+    if (v.isTensorList()) {
+      const auto list = v.toTensorList();
+      for (size_t i = 0; i < list.size(); ++i) {
+        const at::Tensor t = list.get(i);
+        if (t.defined() && t.is_sparse()) return args[a].name() + "[" + std::to_string(i) + "]";
+      }
+    }
+  }
+  return "an argument";
+}
+
+void reject_sparse(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
+  TORCH_CHECK(false, "ruda_torch.", op.schema().name().substr(op.schema().name().find("::") + 2),
+              ": ", first_sparse_argument(op, *stack),
+              " is sparse; sparse gradients are not supported (use dense gradients, e.g. "
+              "nn.Embedding(sparse=False))");
+}
+
+#ifndef RUDA_TORCH_WITH_CUDA
+void reject_cuda(const c10::OperatorHandle& op, torch::jit::Stack*) {
+  TORCH_CHECK(false, "ruda_torch.", op.schema().name().substr(op.schema().name().find("::") + 2),
               " got CUDA tensors, but this ruda_torch build has no CUDA kernels (compiled "
               "backends: cpu). Rebuild with a CUDA build of torch and a CUDA toolkit: "
               "`RUDA_TORCH_CUDA=1 pip install --no-build-isolation -e .` (set CUDA_HOME to "
               "the toolkit root if it is not found; see docs/building.md).");
 }
-void adamw_no_cuda(at::TensorList, at::TensorList, const at::Tensor&, const at::Tensor&,
-                   const std::optional<at::Tensor>&, const at::Tensor&, const at::Tensor&,
-                   const std::optional<at::Tensor>&, const std::optional<at::Tensor>&,
-                   const std::optional<at::Tensor>&, const std::optional<at::Tensor>&, double,
-                   double, double, double, double, double, bool) {
-  no_cuda("adamw_scaled_");
-}
-void analyze_no_cuda(at::TensorList, const std::optional<at::Tensor>&, const at::Tensor&) {
-  no_cuda("analyze_gradient");
-}
-void merge_no_cuda(const at::Tensor&, const at::Tensor&) { no_cuda("merge_gradient_stats"); }
-void chunks_no_cuda(const at::Tensor&, const at::Tensor&) {
-  no_cuda("merge_gradient_stats_chunks");
-}
+#endif
+
+constexpr const char* kOps[] = {"adamw_scaled_", "analyze_gradient", "merge_gradient_stats",
+                                "merge_gradient_stats_chunks"};
+
 }  // namespace
 
+TORCH_LIBRARY_IMPL(ruda_torch, SparseCPU, m) {
+  for (const char* op : kOps)
+    m.impl(op, torch::CppFunction::makeFromBoxedFunction<&reject_sparse>());
+}
+
+TORCH_LIBRARY_IMPL(ruda_torch, SparseCUDA, m) {
+  for (const char* op : kOps)
+    m.impl(op, torch::CppFunction::makeFromBoxedFunction<&reject_sparse>());
+}
+
+#ifndef RUDA_TORCH_WITH_CUDA
 TORCH_LIBRARY_IMPL(ruda_torch, CUDA, m) {
-  m.impl("adamw_scaled_", &adamw_no_cuda);
-  m.impl("analyze_gradient", &analyze_no_cuda);
-  m.impl("merge_gradient_stats", &merge_no_cuda);
-  m.impl("merge_gradient_stats_chunks", &chunks_no_cuda);
+  for (const char* op : kOps) m.impl(op, torch::CppFunction::makeFromBoxedFunction<&reject_cuda>());
 }
 #endif

@@ -73,7 +73,10 @@ void update_range(const AdamWLaunch& L, const TensorEntry& e, const StepCoefs<fl
 
 template <typename T, bool AMSGRAD>
 void run(const AdamWLaunch& L, float factor) {
-  at::parallel_for(0, L.n_units, 1, [&](int64_t u_begin, int64_t u_end) {
+  // A grain of a few tiles: a bucket of one or two tiles runs on the calling thread
+  // instead of waking the pool (far more costly than the work on a loaded machine).
+  constexpr int64_t kGrain = 4;
+  at::parallel_for(0, L.n_units, kGrain, [&](int64_t u_begin, int64_t u_end) {
     int64_t i = find_tensor(L.table, L.n_tensors, u_begin);
     for (int64_t u = u_begin; u < u_end; ++u) {
       while (i + 1 < L.n_tensors && L.table[i + 1].unit_start <= u) ++i;

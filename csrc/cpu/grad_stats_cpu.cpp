@@ -118,7 +118,7 @@ void analyze_gradient_cpu(const StatsLaunch& L) {
 
 void merge_gradient_stats_cpu(const float* rows, int64_t n_rows, float* out) {
   const int64_t n_out = (n_rows + kMergeFanIn - 1) / kMergeFanIn;
-  at::parallel_for(0, n_out, 1, [&](int64_t b, int64_t e) {
+  at::parallel_for(0, n_out, 4, [&](int64_t b, int64_t e) {
     for (int64_t k = b; k < e; ++k) {
       const int64_t first = k * kMergeFanIn;
       const int64_t count = std::min(kMergeFanIn, n_rows - first);
