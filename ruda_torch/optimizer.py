@@ -409,6 +409,7 @@ class AdamW(Optimizer):
         # Phase 1: gather and validate everything; nothing is written before phase 2.
         fused: list[_FusedWork] = []
         generic: list[tuple[dict, list[torch.Tensor], list[torch.Tensor]]] = []
+        scopes: list = []  # of the generic path's gradients, in order (tensor-op norm only)
         for gi, group in enumerate(self.param_groups):
             check_hyperparameters(group["lr"], group["betas"], group["eps"], group["weight_decay"])
             if group["fused_step"]:
@@ -422,9 +423,15 @@ class AdamW(Optimizer):
                     _check_grads(grads, gi)
                     fused.extend(_split_by_dtype(_FusedWork(bucket, group, active, grads)))
             else:
-                params = [p for p in group["params"] if p.grad is not None]
+                indexed = [(j, p) for j, p in enumerate(group["params"]) if p.grad is not None]
+                params = [p for _, p in indexed]
                 grads = [p.grad for p in params]
                 _check_grads(grads, gi, fused=False)
+                if self.max_grad_norm is not None:  # the norm's scope, checked up front
+                    for j, p in indexed:
+                        scopes.append(
+                            scope_of(p, self.process_group, True, f"param group {gi} parameter {j}")
+                        )
                 if params:
                     generic.append((group, params, grads))
         if self.hierarchical_stats and generic:
@@ -455,7 +462,7 @@ class AdamW(Optimizer):
             stats = self._gradient_report(fused, grad_scale, per_device)
             self.last_report = GradientReport(stats, self.max_grad_norm, found_inf)
         elif self.max_grad_norm is not None:
-            clip_coef = self._tensor_norm_clip(fused, generic, grad_scale)
+            clip_coef = self._tensor_norm_clip(fused, generic, scopes, grad_scale)
         for work in fused:
             dev = work.bucket.device
             g = work.group
@@ -581,16 +588,15 @@ class AdamW(Optimizer):
         ops.merge_gradient_stats_chunks(gathered, final)
         return final
 
-    def _tensor_norm_clip(self, fused, generic, grad_scale):
-        """clip_grad_norm_'s coefficient from a tensor-operation norm (no native stats)."""
+    def _tensor_norm_clip(self, fused, generic, scopes, grad_scale):
+        """clip_grad_norm_'s coefficient from a tensor-operation norm (no native stats);
+        ``scopes`` are those of the generic path's gradients, in order."""
         by_scope: dict = {}
         for w in fused:
             by_scope.setdefault(w.bucket.scope, []).extend(w.grads)
-        needs_global = True
-        for _, params, gs in generic:
-            for j, (p, g) in enumerate(zip(params, gs, strict=True)):
-                scope = scope_of(p, self.process_group, needs_global, f"parameter {j}")
-                by_scope.setdefault(scope, []).append(_local(g))
+        generic_grads = [g for _, _, gs in generic for g in gs]
+        for scope, g in zip(scopes, generic_grads, strict=True):
+            by_scope.setdefault(scope, []).append(_local(g))
         for b in self._all_buckets():
             if b.scope.groups:
                 by_scope.setdefault(b.scope, [])
