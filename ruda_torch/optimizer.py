@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 import operator
 from dataclasses import dataclass
+from itertools import repeat
 
 import torch
 from torch.optim import Optimizer
@@ -122,7 +123,9 @@ class _Bucket:
             [[off, i] for i, off in enumerate(offsets)], dtype=torch.int64
         ).reshape(-1, 2)
         self.has_state = [False] * len(params)
+        self.all_slots = list(range(len(params)))
         self._slots_cache: tuple | None = None
+        self._pieces_cache: tuple | None = None
         self.n_rows_all = sum(ops.stats_rows_for(t.numel()) for t in self.locals)
         self.rows = None  # statistics buffers, allocated on first use
         self.scratch = None
@@ -131,6 +134,10 @@ class _Bucket:
                 self.adopt(i, state[p])
                 state[p] = self.state_views(i, p)
                 self.has_state[i] = True
+
+    @property
+    def fully_initialized(self) -> bool:
+        return all(self.has_state)
 
     def _slice(self, buf: torch.Tensor, i: int) -> torch.Tensor:
         n = self.locals[i].numel()
@@ -160,6 +167,14 @@ class _Bucket:
         if self._slots_cache is None or self._slots_cache[0] != key:
             self._slots_cache = (key, self.slots_all[list(active)].contiguous())
         return self._slots_cache[1]
+
+    def row_pieces(self, active: list[int]) -> list[tuple[int, int, int]]:
+        """_row_pieces() of the active parameters, cached like slots()."""
+        key = None if len(active) == len(self.params) else tuple(active)
+        if self._pieces_cache is None or self._pieces_cache[0] != key:
+            numels = [self.locals[i].numel() for i in active]
+            self._pieces_cache = (key, _row_pieces(numels))
+        return self._pieces_cache[1]
 
     def stats_buffers(self):
         if self.rows is None:
@@ -415,12 +430,15 @@ class AdamW(Optimizer):
             if group["fused_step"]:
                 for bucket in self._group_buckets(gi, group):
                     grads = [p.grad for p in bucket.params]
-                    active = [i for i, g in enumerate(grads) if g is not None]
-                    if not active:
-                        continue
-                    if len(active) != len(grads):
+                    if all(map(operator.is_not, grads, repeat(None))):
+                        active = bucket.all_slots
+                    else:
+                        active = [i for i, g in enumerate(grads) if g is not None]
+                        if not active:
+                            continue
                         grads = [grads[i] for i in active]
-                    _check_grads(grads, gi)
+                    if fused:
+                        _check_grads(grads, gi)
                     fused.extend(_split_by_dtype(_FusedWork(bucket, group, active, grads)))
             else:
                 indexed = [(j, p) for j, p in enumerate(group["params"]) if p.grad is not None]
@@ -434,6 +452,15 @@ class AdamW(Optimizer):
                         )
                 if params:
                     generic.append((group, params, grads))
+        # The first kernel call validates its own arguments before it writes, so its
+        # gradients need no check here unless something is written before it: new state
+        # (phase 2), or a split of its bucket into several calls.
+        if fused and (
+            generic
+            or (len(fused) > 1 and fused[1].bucket is fused[0].bucket)
+            or not all(w.bucket.fully_initialized for w in fused)
+        ):
+            _check_grads(fused[0].grads, self.param_groups.index(fused[0].group))
         if self.hierarchical_stats and generic:
             raise ValueError(
                 "hierarchical_stats=True requires fused_step=True in every param group"
@@ -550,7 +577,7 @@ class AdamW(Optimizer):
         for work in fused:
             b = work.bucket
             rows, scratch = b.stats_buffers()
-            pieces = _row_pieces(work.grads)
+            pieces = b.row_pieces(work.active)
             out = reports_by_device.setdefault((b.device, b.scope), [])
             row_start = 0
             for lo, hi, n_rows in pieces:
@@ -656,15 +683,15 @@ class _PerDevice:
         return self._cache[key]
 
 
-def _row_pieces(grads: list[torch.Tensor]) -> list[tuple[int, int, int]]:
-    """Split a bucket's gradients into runs of at most MAX_ROWS statistics rows:
-    (first tensor, end tensor, rows). A bucket normally is one piece."""
+def _row_pieces(numels: list[int]) -> list[tuple[int, int, int]]:
+    """Split a bucket's gradients (given by their sizes) into runs of at most MAX_ROWS
+    statistics rows: (first tensor, end tensor, rows). A bucket normally is one piece."""
     pieces, lo, rows = [], 0, 0
-    for i, g in enumerate(grads):
-        r = ops.stats_rows_for(g.numel())
+    for i, numel in enumerate(numels):
+        r = ops.stats_rows_for(numel)
         if r > MAX_ROWS:
             raise ValueError(
-                f"a gradient of {g.numel():,} elements needs {r:,} statistics rows; one report "
+                f"a gradient of {numel:,} elements needs {r:,} statistics rows; one report "
                 f"holds at most {MAX_ROWS:,} rows ({MAX_ROWS * STATS_CHUNK:,} elements)"
             )
         if rows + r > MAX_ROWS:
@@ -672,7 +699,7 @@ def _row_pieces(grads: list[torch.Tensor]) -> list[tuple[int, int, int]]:
             lo, rows = i, 0
         rows += r
     if rows > 0 or not pieces:
-        pieces.append((lo, len(grads), rows))
+        pieces.append((lo, len(numels), rows))
     return [p for p in pieces if p[2] > 0]
 
 

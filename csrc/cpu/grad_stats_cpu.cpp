@@ -48,38 +48,60 @@ StatsRow lanes_tree(Lanes& l) {
 }
 
 template <typename T>
-inline float to_float(T x) {
-  return static_cast<float>(x);
+inline Vec load_vec(const T* p);
+template <>
+inline Vec load_vec<float>(const float* p) {
+  return Vec::loadu(p);
+}
+template <>
+inline Vec load_vec<c10::Half>(const c10::Half* p) {
+  Vec out;
+  at::vec::load_fp32_from_fp16(p, out);
+  return out;
+}
+template <>
+inline Vec load_vec<c10::BFloat16>(const c10::BFloat16* p) {
+  Vec out;
+  at::vec::load_fp32_from_bf16(p, out);
+  return out;
 }
 
-// One analyze row of `count` (<= kStatsChunk) elements. The row is first converted and
-// unscaled into a zero-padded buffer: a padding zero adds +0 to a sum of squares, cannot
-// raise a maximum of absolute values and is finite, so the padded lanes give the same
-// bits as lanes that stop early (stats_row_scalar()).
+// W consecutive unscaled elements starting at k, zero past `count`. A padding zero adds
+// +0 to a sum of squares, cannot raise a maximum of absolute values and is finite, so
+// padded lanes give the same bits as lanes that stop early (the CUDA kernel's loop).
 template <typename T>
-StatsRow analyze_row(const T* g, int64_t count, float inv_scale) {
-  alignas(64) float buf[kStatsChunk];
-  int64_t k = 0;
-  for (; k < count; ++k) buf[k] = to_float(g[k]) * inv_scale;
-  for (; k < kStatsChunk; ++k) buf[k] = 0.0f;
+inline Vec load_unscaled(const T* g, int64_t k, int64_t count, const Vec& inv_scale) {
+  if (k + W <= count) return load_vec<T>(g + k) * inv_scale;
+  alignas(32) float tail[W] = {};
+  for (int64_t i = k; i < count; ++i) tail[i - k] = static_cast<float>(g[i]);
+  return Vec::loadu(tail) * inv_scale;
+}
 
-  Vec sum[kLaneVecs], mx[kLaneVecs], cnt[kLaneVecs];
-  const Vec zero(0.0f), one(1.0f);
-  for (int j = 0; j < kLaneVecs; ++j) sum[j] = mx[j] = cnt[j] = zero;
-  for (int64_t r = 0; r < kStatsChunk; r += kStatsLanes) {
-    for (int j = 0; j < kLaneVecs; ++j) {
-      const Vec x = Vec::loadu(buf + r + j * W);
-      const Vec finite = (x - x) == zero;  // all-ones where x is finite
-      sum[j] = sum[j] + Vec::blendv(zero, x * x, finite);
-      mx[j] = at::vec::maximum(mx[j], Vec::blendv(zero, x.abs(), finite));
-      cnt[j] = cnt[j] + Vec::blendv(one, zero, finite);
-    }
-  }
+// One analyze row of `count` (<= kStatsChunk) elements, Note [Canonical reduction order]:
+// lane vector j (lanes 8j .. 8j+7) accumulates the elements 8j + 256 r in increasing r;
+// then the halving tree over the 256 lanes. The row is read once, in order; the 32 x 3
+// accumulators live in `lanes` (L1). Only the steps r that hold data run, so a short
+// tensor costs what it reads.
+template <typename T>
+StatsRow analyze_row(const T* g, int64_t count, float inv_scale_f) {
+  const Vec zero(0.0f), one(1.0f), inv_scale(inv_scale_f);
+  const int64_t steps = (count + kStatsLanes - 1) / kStatsLanes;
   Lanes lanes;
-  for (int j = 0; j < kLaneVecs; ++j) {
-    sum[j].store(lanes.sum + j * W);
-    mx[j].store(lanes.max + j * W);
-    cnt[j].store(lanes.cnt + j * W);
+  for (int i = 0; i < kStatsLanes; i += W) {
+    zero.store(lanes.sum + i);
+    zero.store(lanes.max + i);
+    zero.store(lanes.cnt + i);
+  }
+  for (int64_t r = 0; r < steps; ++r) {
+    for (int i = 0; i < kStatsLanes; i += W) {
+      const Vec x = load_unscaled<T>(g, r * kStatsLanes + i, count, inv_scale);
+      const Vec finite = (x - x) == zero;  // all-ones where x is finite
+      (Vec::loadu(lanes.sum + i) + Vec::blendv(zero, x * x, finite)).store(lanes.sum + i);
+      // clamp_min(v, acc) is max(acc, v), `acc > v ? acc : v`; no NaN reaches it.
+      at::vec::clamp_min(Vec::blendv(zero, x.abs(), finite), Vec::loadu(lanes.max + i))
+          .store(lanes.max + i);
+      (Vec::loadu(lanes.cnt + i) + Vec::blendv(one, zero, finite)).store(lanes.cnt + i);
+    }
   }
   return lanes_tree(lanes);
 }
