@@ -204,6 +204,7 @@ class _FusedWork:
     group: dict
     active: list[int]
     grads: list[torch.Tensor]
+    gi: int  # index of the param group, for messages
 
 
 class AdamW(Optimizer):
@@ -439,7 +440,7 @@ class AdamW(Optimizer):
                         grads = [grads[i] for i in active]
                     if fused:
                         _check_grads(grads, gi)
-                    fused.extend(_split_by_dtype(_FusedWork(bucket, group, active, grads)))
+                    fused.extend(_split_by_dtype(_FusedWork(bucket, group, active, grads, gi)))
             else:
                 indexed = [(j, p) for j, p in enumerate(group["params"]) if p.grad is not None]
                 params = [p for _, p in indexed]
@@ -460,7 +461,7 @@ class AdamW(Optimizer):
             or (len(fused) > 1 and fused[1].bucket is fused[0].bucket)
             or not all(w.bucket.fully_initialized for w in fused)
         ):
-            _check_grads(fused[0].grads, self.param_groups.index(fused[0].group))
+            _check_grads(fused[0].grads, fused[0].gi)
         if self.hierarchical_stats and generic:
             raise ValueError(
                 "hierarchical_stats=True requires fused_step=True in every param group"
@@ -658,6 +659,7 @@ def _split_by_dtype(work: _FusedWork) -> list[_FusedWork]:
                 work.group,
                 [work.active[k] for k in keep],
                 [work.grads[k] for k in keep],
+                work.gi,
             )
         )
     return parts
