@@ -48,7 +48,7 @@ BUILD_SWITCHES := RUDA_TORCH_CUDA=$(RUDA_TORCH_CUDA) CUDA_HOME=$(CUDA_HOME) \
 	TORCH_CUDA_ARCH_LIST=$(TORCH_CUDA_ARCH_LIST) RUDA_TORCH_CPU_ISA=$(RUDA_TORCH_CPU_ISA)
 
 .DEFAULT_GOAL := help
-.PHONY: help deps build test test-cpu-torch demo bench check format versions clean distclean FORCE
+.PHONY: help deps build test test-cpu-torch demo bench regressions gpu-check check format versions clean distclean FORCE
 
 help:
 	@echo "make test       set up .venv, build the extension, run the test suite"
@@ -57,6 +57,8 @@ help:
 	@echo "make bench      set up and build, then run benchmarks/bench_adamw.py"
 	@echo "make test-cpu-torch  build against the CPU-only torch 2.13.0 in .venv-cpu (CPU kernels"
 	@echo "                only) and run the kernel tests there"
+	@echo "make regressions  oracle + host suites through tools/run_adamw_regressions.py (JSON record)"
+	@echo "make gpu-check  on a GPU machine: build, GPU tests, GPU benchmark (tools/gpu_check.sh)"
 	@echo "make check      ruff check, ruff format --check, clang-format --dry-run over csrc/"
 	@echo "make format     apply ruff (import order, format) and clang-format"
 	@echo "make versions   print the versions of the tools in the environment"
@@ -133,6 +135,12 @@ bench: $(BUILD_STAMP)
 	@if [ ! -f benchmarks/bench_adamw.py ]; then \
 		echo "make bench: benchmarks/bench_adamw.py is not in this checkout" >&2; exit 1; fi
 	$(PY) benchmarks/bench_adamw.py $(BENCH_ARGS)
+
+regressions: $(BUILD_STAMP)
+	$(PY) tools/run_adamw_regressions.py --suite oracle --suite host
+
+gpu-check:
+	bash tools/gpu_check.sh
 
 versions: $(DEPS_STAMP)
 	@$(PY) -c "import sys, torch; print('python', sys.version.split()[0]); \
