@@ -7,36 +7,18 @@
 #include <c10/util/Half.h>
 
 #include "adamw_math.h"
+#include "cpu/vec_load.h"
 #include "kernels.h"
 
 namespace ruda {
 namespace {
 
-using Vec = at::vec::Vectorized<float>;
+using cpu::Vec;
 
 struct VecOps {
   static inline Vec sqrt(const Vec& x) { return x.sqrt(); }
   static inline Vec max(const Vec& a, const Vec& b) { return at::vec::maximum(a, b); }
 };
-
-template <typename T>
-inline Vec load_grad(const T* p);
-template <>
-inline Vec load_grad<float>(const float* p) {
-  return Vec::loadu(p);
-}
-template <>
-inline Vec load_grad<c10::Half>(const c10::Half* p) {
-  Vec out;
-  at::vec::load_fp32_from_fp16(p, out);
-  return out;
-}
-template <>
-inline Vec load_grad<c10::BFloat16>(const c10::BFloat16* p) {
-  Vec out;
-  at::vec::load_fp32_from_bf16(p, out);
-  return out;
-}
 
 StepCoefs<Vec> broadcast(const StepCoefs<float>& c) {
   return {Vec(c.factor), Vec(c.beta1), Vec(c.one_minus_beta1), Vec(c.beta2), Vec(c.one_minus_beta2),
@@ -58,7 +40,7 @@ void update_range(const AdamWLaunch& L, const TensorEntry& e, const StepCoefs<fl
   for (; k + W <= end; k += W) {
     Vec pv = Vec::loadu(p + k), mv = Vec::loadu(m + k), vv = Vec::loadu(v + k);
     Vec vmv = AMSGRAD ? Vec::loadu(vm + k) : Vec(0.0f);
-    adamw_element<AMSGRAD, VecOps>(pv, load_grad<T>(g + k), mv, vv, vmv, cv);
+    adamw_element<AMSGRAD, VecOps>(pv, cpu::load_fp32<T>(g + k), mv, vv, vmv, cv);
     pv.store(p + k);
     mv.store(m + k);
     vv.store(v + k);

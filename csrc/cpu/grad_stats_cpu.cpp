@@ -9,13 +9,14 @@
 
 #include <algorithm>
 
+#include "cpu/vec_load.h"
 #include "grad_stats.h"
 #include "kernels.h"
 
 namespace ruda {
 namespace {
 
-using Vec = at::vec::Vectorized<float>;
+using cpu::Vec;
 constexpr int W = Vec::size();
 static_assert(kStatsLanes % W == 0, "lanes must be whole vectors");
 constexpr int kLaneVecs = kStatsLanes / W;
@@ -47,31 +48,12 @@ StatsRow lanes_tree(Lanes& l) {
   return {l.sum[0], l.max[0], l.cnt[0]};
 }
 
-template <typename T>
-inline Vec load_vec(const T* p);
-template <>
-inline Vec load_vec<float>(const float* p) {
-  return Vec::loadu(p);
-}
-template <>
-inline Vec load_vec<c10::Half>(const c10::Half* p) {
-  Vec out;
-  at::vec::load_fp32_from_fp16(p, out);
-  return out;
-}
-template <>
-inline Vec load_vec<c10::BFloat16>(const c10::BFloat16* p) {
-  Vec out;
-  at::vec::load_fp32_from_bf16(p, out);
-  return out;
-}
-
 // W consecutive unscaled elements starting at k, zero past `count`. A padding zero adds
 // +0 to a sum of squares, cannot raise a maximum of absolute values and is finite, so
 // padded lanes give the same bits as lanes that stop early (the CUDA kernel's loop).
 template <typename T>
 inline Vec load_unscaled(const T* g, int64_t k, int64_t count, const Vec& inv_scale) {
-  if (k + W <= count) return load_vec<T>(g + k) * inv_scale;
+  if (k + W <= count) return cpu::load_fp32<T>(g + k) * inv_scale;
   alignas(32) float tail[W] = {};
   for (int64_t i = k; i < count; ++i) tail[i - k] = static_cast<float>(g[i]);
   return Vec::loadu(tail) * inv_scale;
