@@ -26,6 +26,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 import pytest
 import torch
+from threads import with_threads
 from tolerances import TOLERANCES
 
 import ruda_torch
@@ -781,15 +782,6 @@ def test_gradients_never_written(grad_dtype):
         assert same_bits(a, b)
 
 
-def _with_threads(n: int, fn):
-    before = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        return fn()
-    finally:
-        torch.set_num_threads(before)
-
-
 @pytest.mark.parametrize("grad_dtype", GRAD_DTYPES, ids=DTYPE_IDS)
 def test_thread_count_independent(grad_dtype):
     cfg = Config("threads", amsgrad=True, gradient_scale=3.0)
@@ -813,8 +805,8 @@ def test_thread_count_independent(grad_dtype):
             _run_bucket(bucket, args, cfg)
         return bucket.written()
 
-    one = _with_threads(1, run)
-    two = _with_threads(2, run)
+    one = with_threads(1, run)
+    two = with_threads(2, run)
     assert torch.get_num_threads() >= 1
     for i, (a, b) in enumerate(zip(one, two, strict=True)):
         assert same_bits(a, b), f"written tensor {i} depends on the thread count"

@@ -41,6 +41,7 @@ from optim_harness import (
     split_groups,
     twin,
 )
+from threads import num_threads
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
@@ -57,10 +58,8 @@ def _one_thread():
     (SPEC section 2; test_thread_count_does_not_change_bits checks it), and on a
     shared 2-core machine waking the thread pool for these tiny buckets costs
     milliseconds per step."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+    with num_threads(1):
+        yield
 
 
 def _train(pairs, steps):

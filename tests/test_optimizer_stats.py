@@ -32,6 +32,7 @@ from optim_harness import (
     snapshot,
     twin,
 )
+from threads import num_threads
 from torch import nn
 
 import ruda_torch
@@ -54,10 +55,8 @@ NORM_RTOL_LARGE = 1e-5
 def _one_thread():
     """One intra-op thread (see tests/test_optimizer.py; report bits do not depend on it,
     test_large_bucket_report checks that with 2 threads)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+    with num_threads(1):
+        yield
 
 
 def _scaled_backward(model: Net, step: int) -> None:

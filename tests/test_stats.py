@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 import torch
+from threads import with_threads
 
 import ruda_torch
 from ruda_torch import ops
@@ -452,15 +453,6 @@ def test_global_norm_accuracy(numel, rtol, n_levels):
 # ------------------------------------------------------------ determinism and no writes
 
 
-def _with_threads(n: int, fn):
-    before = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        return fn()
-    finally:
-        torch.set_num_threads(before)
-
-
 @pytest.mark.parametrize("dtype", GRAD_DTYPES, ids=DTYPE_IDS)
 def test_thread_count_independent(dtype):
     gen = torch.Generator().manual_seed(23)
@@ -473,8 +465,8 @@ def test_thread_count_independent(dtype):
         ops.merge_gradient_stats_chunks(merged, out)
         return rows, merged, out
 
-    one = _with_threads(1, pipeline)
-    two = _with_threads(2, pipeline)
+    one = with_threads(1, pipeline)
+    two = with_threads(2, pipeline)
     for a, b, what in zip(one, two, ("rows", "merged", "report"), strict=True):
         assert same_bits(a, b), what
 
