@@ -1,7 +1,7 @@
 // CPU kernels of analyze_gradient, merge_gradient_stats and merge_gradient_stats_chunks.
-// They follow Note [Canonical reduction order] in csrc/grad_stats.h: the 256 lanes of a
-// row are 32 vectors of 8 floats, so the CPU result has the same bits as the CUDA one
-// and does not depend on the number of threads (rows are independent work items).
+// They follow Note [Canonical reduction order] in csrc/grad_stats.h: the 32 lanes of an
+// analyze row are 4 vectors of 8 floats, so the CPU result has the same bits as the CUDA
+// one and does not depend on the number of threads (rows are independent work items).
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/vec.h>
 #include <c10/util/BFloat16.h>
@@ -18,34 +18,21 @@ namespace {
 
 using cpu::Vec;
 constexpr int W = Vec::size();
-static_assert(kStatsLanes % W == 0, "lanes must be whole vectors");
-constexpr int kLaneVecs = kStatsLanes / W;
+static_assert(kRowLanes % W == 0, "lanes must be whole vectors");
+constexpr int kRowVecs = kRowLanes / W;  // lane vector v holds lanes vW .. vW + W - 1
 
-// Structure-of-arrays lanes, so that the tree levels with stride >= W are vector ops.
-struct alignas(64) Lanes {
-  float sum[kStatsLanes];
-  float max[kStatsLanes];
-  float cnt[kStatsLanes];
-};
-
-// The halving tree of stats_tree() on SoA lanes; the result is lane 0.
-StatsRow lanes_tree(Lanes& l) {
-  for (int s = kStatsLanes / 2; s > 0; s >>= 1) {
-    int i = 0;
-    for (; s >= W && i < s; i += W) {
-      (Vec::loadu(l.sum + i) + Vec::loadu(l.sum + i + s)).store(l.sum + i);
-      at::vec::maximum(Vec::loadu(l.max + i), Vec::loadu(l.max + i + s)).store(l.max + i);
-      (Vec::loadu(l.cnt + i) + Vec::loadu(l.cnt + i + s)).store(l.cnt + i);
-    }
-    for (; i < s; ++i) {
-      const StatsRow r =
-          stats_combine({l.sum[i], l.max[i], l.cnt[i]}, {l.sum[i + s], l.max[i + s], l.cnt[i + s]});
-      l.sum[i] = r.sum_sq;
-      l.max[i] = r.max_abs;
-      l.cnt[i] = r.nonfinite;
-    }
+// The halving tree of one row over its lane vectors; the result is lane 0.
+StatsRow row_tree(const Vec* sum, const Vec* max, const Vec* cnt) {
+  alignas(64) float s[kRowLanes], m[kRowLanes], c[kRowLanes];
+  for (int v = 0; v < kRowVecs; ++v) {
+    sum[v].store(s + v * W);
+    max[v].store(m + v * W);
+    cnt[v].store(c + v * W);
   }
-  return {l.sum[0], l.max[0], l.cnt[0]};
+  StatsRow lanes[kRowLanes];
+  for (int j = 0; j < kRowLanes; ++j) lanes[j] = {s[j], m[j], c[j]};
+  stats_tree<kRowLanes>(lanes);
+  return lanes[0];
 }
 
 // W consecutive unscaled elements starting at k, zero past `count`. A padding zero adds
@@ -60,32 +47,71 @@ inline Vec load_unscaled(const T* g, int64_t k, int64_t count, const Vec& inv_sc
 }
 
 // One analyze row of `count` (<= kStatsChunk) elements, Note [Canonical reduction order]:
-// lane vector j (lanes 8j .. 8j+7) accumulates the elements 8j + 256 r in increasing r;
-// then the halving tree over the 256 lanes. The row is read once, in order; the 32 x 3
-// accumulators live in `lanes` (L1). Only the steps r that hold data run, so a short
-// tensor costs what it reads.
+// lane vector v accumulates the elements vW + 32 r in increasing r, then the tree. This
+// general form masks and counts non-finite values and handles short rows.
 template <typename T>
-StatsRow analyze_row(const T* g, int64_t count, float inv_scale_f) {
-  const Vec zero(0.0f), one(1.0f), inv_scale(inv_scale_f);
-  const int64_t steps = (count + kStatsLanes - 1) / kStatsLanes;
-  Lanes lanes;
-  for (int i = 0; i < kStatsLanes; i += W) {
-    zero.store(lanes.sum + i);
-    zero.store(lanes.max + i);
-    zero.store(lanes.cnt + i);
-  }
-  for (int64_t r = 0; r < steps; ++r) {
-    for (int i = 0; i < kStatsLanes; i += W) {
-      const Vec x = load_unscaled<T>(g, r * kStatsLanes + i, count, inv_scale);
+StatsRow analyze_row_general(const T* g, int64_t count, const Vec& inv_scale) {
+  const Vec zero(0.0f), one(1.0f);
+  Vec sum[kRowVecs], max[kRowVecs], cnt[kRowVecs];
+  for (int v = 0; v < kRowVecs; ++v) sum[v] = max[v] = cnt[v] = zero;
+  for (int64_t k = 0; k < count; k += kRowLanes) {
+    for (int v = 0; v < kRowVecs; ++v) {
+      const Vec x = load_unscaled<T>(g, k + v * W, count, inv_scale);
       const Vec finite = (x - x) == zero;  // all-ones where x is finite
-      (Vec::loadu(lanes.sum + i) + Vec::blendv(zero, x * x, finite)).store(lanes.sum + i);
+      sum[v] = sum[v] + Vec::blendv(zero, x * x, finite);
       // clamp_min(v, acc) is max(acc, v), `acc > v ? acc : v`; no NaN reaches it.
-      at::vec::clamp_min(Vec::blendv(zero, x.abs(), finite), Vec::loadu(lanes.max + i))
-          .store(lanes.max + i);
-      (Vec::loadu(lanes.cnt + i) + Vec::blendv(one, zero, finite)).store(lanes.cnt + i);
+      max[v] = at::vec::clamp_min(Vec::blendv(zero, x.abs(), finite), max[v]);
+      cnt[v] = cnt[v] + Vec::blendv(one, zero, finite);
     }
   }
-  return lanes_tree(lanes);
+  return row_tree(sum, max, cnt);
+}
+
+// Software prefetch distance of the finite form: one FP32 row ahead. Measured on a
+// 2-core AVX2 machine: single-thread 25 -> 21 ms per 50M elements, and closer to the
+// read rate of torch's own sum with two threads; 8 KiB ahead helped less.
+constexpr int kPrefetchBytes = 16384;
+template <typename T>
+constexpr int kStepBytes = kRowLanes * sizeof(T);  // bytes read per step of 32 lanes
+
+// A full row on the assumption that every element is finite: the same lanes, the same
+// additions in the same order and the same tree as analyze_row_general, so the same
+// bits when the assumption holds, without the mask and the count (on an AVX2 core the
+// mask costs more than the memory does). Returns false when the row's sum is not
+// finite: then an element was inf or NaN (its square poisons its lane's sum for good)
+// or the squares overflowed, and the caller redoes the row in the general form.
+template <typename T, bool kScaled>
+bool analyze_row_finite(const T* g, const Vec& inv_scale, StatsRow& out) {
+  const Vec zero(0.0f);
+  Vec sum[kRowVecs], max[kRowVecs], cnt[kRowVecs];
+  for (int v = 0; v < kRowVecs; ++v) sum[v] = max[v] = cnt[v] = zero;
+  for (int64_t k = 0; k < kStatsChunk; k += kRowLanes) {
+    // Past the end of the tensor this touches nothing: a prefetch never faults.
+    const char* ahead = reinterpret_cast<const char*>(g + k) + kPrefetchBytes;
+    for (int line = 0; line < kStepBytes<T>; line += 64) __builtin_prefetch(ahead + line, 0, 3);
+    for (int v = 0; v < kRowVecs; ++v) {
+      Vec x = cpu::load_fp32<T>(g + k + v * W);
+      if (kScaled) x = x * inv_scale;
+      sum[v] = sum[v] + x * x;
+      // Finite, non-negative operands: the same maximum as the general form's.
+      max[v] = at::vec::clamp_min(x.abs(), max[v]);
+    }
+  }
+  out = row_tree(sum, max, cnt);
+  return out.sum_sq - out.sum_sq == 0.0f;
+}
+
+template <typename T>
+StatsRow analyze_row(const T* g, int64_t count, float inv_scale_f) {
+  const Vec inv_scale(inv_scale_f);
+  StatsRow row;
+  if (count == kStatsChunk) {
+    // x * 1 == x for every float, so an unscaled gradient skips the multiply.
+    const bool finite = inv_scale_f == 1.0f ? analyze_row_finite<T, false>(g, inv_scale, row)
+                                            : analyze_row_finite<T, true>(g, inv_scale, row);
+    if (finite) return row;
+  }
+  return analyze_row_general<T>(g, count, inv_scale);
 }
 
 template <typename T>
