@@ -21,17 +21,24 @@ constexpr int W = Vec::size();
 static_assert(kRowLanes % W == 0, "lanes must be whole vectors");
 constexpr int kRowVecs = kRowLanes / W;  // lane vector v holds lanes vW .. vW + W - 1
 
-// The halving tree of one row over its lane vectors; the result is lane 0.
-StatsRow row_tree(const Vec* sum, const Vec* max, const Vec* cnt) {
-  alignas(64) float s[kRowLanes], m[kRowLanes], c[kRowLanes];
-  for (int v = 0; v < kRowVecs; ++v) {
-    sum[v].store(s + v * W);
-    max[v].store(m + v * W);
-    cnt[v].store(c + v * W);
+// The halving tree of one row over its lane vectors; the result is lane 0. Levels with
+// s >= W pair whole lane vectors (lane i of vector v with lane i of vector v + s/W), so
+// they run as vector operations on the registers; the last log2(W) levels are scalar.
+StatsRow row_tree(Vec* sum, Vec* max, Vec* cnt) {
+  for (int h = kRowVecs / 2; h > 0; h >>= 1) {
+    for (int v = 0; v < h; ++v) {
+      sum[v] = sum[v] + sum[v + h];
+      max[v] = at::vec::maximum(max[v], max[v + h]);
+      cnt[v] = cnt[v] + cnt[v + h];
+    }
   }
-  StatsRow lanes[kRowLanes];
-  for (int j = 0; j < kRowLanes; ++j) lanes[j] = {s[j], m[j], c[j]};
-  stats_tree<kRowLanes>(lanes);
+  alignas(64) float s[W], m[W], c[W];
+  sum[0].store(s);
+  max[0].store(m);
+  cnt[0].store(c);
+  StatsRow lanes[W];
+  for (int j = 0; j < W; ++j) lanes[j] = {s[j], m[j], c[j]};
+  stats_tree<W>(lanes);
   return lanes[0];
 }
 
