@@ -25,6 +25,15 @@ StepCoefs<Vec> broadcast(const StepCoefs<float>& c) {
           Vec(c.eps),    Vec(c.lr),    Vec(c.decay),           Vec(c.bc1),   Vec(c.bc2)};
 }
 
+// Software prefetch distance of the update loop, in elements (16 KiB of FP32 state).
+// The loop streams four or five arrays at once; on a 2-core AVX2 machine the hardware
+// prefetchers alone left the step 4-7% slower than with this (measured against
+// torch's fused step in the same process; 8,192 elements helped less). A prefetch
+// past the end of an array touches nothing: it never faults.
+constexpr int64_t kPrefetchElems = 4096;
+constexpr int64_t kLineElems = 64 / sizeof(float);  // one prefetch per cache line of state
+static_assert(kLineElems % Vec::size() == 0, "a cache line must hold whole vectors");
+
 // Elements [begin, end) of one tensor.
 template <typename T, bool AMSGRAD>
 void update_range(const AdamWLaunch& L, const TensorEntry& e, const StepCoefs<float>& c,
@@ -36,8 +45,7 @@ void update_range(const AdamWLaunch& L, const TensorEntry& e, const StepCoefs<fl
   float* vm = AMSGRAD ? L.max_exp_avg_sq + e.state_offset : nullptr;
   const StepCoefs<Vec> cv = broadcast(c);
   constexpr int64_t W = Vec::size();
-  int64_t k = begin;
-  for (; k + W <= end; k += W) {
+  auto update_vec = [&](int64_t k) {
     Vec pv = Vec::loadu(p + k), mv = Vec::loadu(m + k), vv = Vec::loadu(v + k);
     Vec vmv = AMSGRAD ? Vec::loadu(vm + k) : Vec(0.0f);
     adamw_element<AMSGRAD, VecOps>(pv, cpu::load_fp32<T>(g + k), mv, vv, vmv, cv);
@@ -45,7 +53,17 @@ void update_range(const AdamWLaunch& L, const TensorEntry& e, const StepCoefs<fl
     mv.store(m + k);
     vv.store(v + k);
     if (AMSGRAD) vmv.store(vm + k);
+  };
+  int64_t k = begin;
+  for (; k + kLineElems <= end; k += kLineElems) {
+    __builtin_prefetch(p + k + kPrefetchElems, 1);  // written back: fetch for writing
+    __builtin_prefetch(g + k + kPrefetchElems, 0);
+    __builtin_prefetch(m + k + kPrefetchElems, 1);
+    __builtin_prefetch(v + k + kPrefetchElems, 1);
+    if (AMSGRAD) __builtin_prefetch(vm + k + kPrefetchElems, 1);
+    for (int64_t j = k; j < k + kLineElems; j += W) update_vec(j);
   }
+  for (; k + W <= end; k += W) update_vec(k);
   for (; k < end; ++k) {  // the leftover elements, same math on scalars
     float vmk = AMSGRAD ? vm[k] : 0.0f;
     adamw_element<AMSGRAD, ScalarOps>(p[k], static_cast<float>(g[k]), m[k], v[k], vmk, c);
