@@ -74,9 +74,11 @@ StatsRow analyze_row_general(const T* g, int64_t count, const Vec& inv_scale) {
   return row_tree(sum, max, cnt);
 }
 
-// Software prefetch distance of the finite form: one FP32 row ahead. Measured on a
-// 2-core AVX2 machine: single-thread 25 -> 21 ms per 50M elements, and closer to the
-// read rate of torch's own sum with two threads; 8 KiB ahead helped less.
+// Software prefetch of the finite form: one FP32 row (16 KiB) ahead, non-temporal (the
+// gradient is read once here; a bucket-sized stream would only evict what the caches
+// hold). Measured on a 2-core AVX2 machine against torch's own sum of the same tensor
+// in the same process: 1.28x its time without the prefetch, 1.13x with a temporal one,
+// 1.06-1.08x with this; 32 and 64 KiB ahead did worse.
 constexpr int kPrefetchBytes = 16384;
 template <typename T>
 constexpr int kStepBytes = kRowLanes * sizeof(T);  // bytes read per step of 32 lanes
@@ -95,7 +97,7 @@ bool analyze_row_finite(const T* g, const Vec& inv_scale, StatsRow& out) {
   for (int64_t k = 0; k < kStatsChunk; k += kRowLanes) {
     // Past the end of the tensor this touches nothing: a prefetch never faults.
     const char* ahead = reinterpret_cast<const char*>(g + k) + kPrefetchBytes;
-    for (int line = 0; line < kStepBytes<T>; line += 64) __builtin_prefetch(ahead + line, 0, 3);
+    for (int line = 0; line < kStepBytes<T>; line += 64) __builtin_prefetch(ahead + line, 0, 0);
     for (int v = 0; v < kRowVecs; ++v) {
       Vec x = cpu::load_fp32<T>(g + k + v * W);
       if (kScaled) x = x * inv_scale;
