@@ -375,7 +375,8 @@ def test_analyze_gradient_cuda_matches_cpu_bitwise(dtype, grad_scale):
     gen = torch.Generator().manual_seed(seed_of("gpu_stats", str(dtype), grad_scale))
     grads = [random_grad(gen, n, dtype, grad_scale or 1.0) for n in STATS_SIZES]
     grads[2][7] = float("nan")
-    grads[5][4096] = float("-inf")
+    grads[5][4096] = float("-inf")  # in a full row: the CPU's finite form must give way
+    grads[6][5] = 2.0e19 if dtype != torch.float16 else 60000.0  # a square that overflows
     cpu_rows = run_analyze(grads, grad_scale)
     cuda_grads = [g.to(CUDA) for g in grads]
     cuda_rows = run_analyze(cuda_grads, grad_scale)
