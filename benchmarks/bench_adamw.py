@@ -341,11 +341,7 @@ class TorchVariant(Variant):
         if self.scaler is not None:
             self.scaler.unscale_(self.opt)
         torch.nn.utils.clip_grad_norm_(self.params, self.max_norm, foreach=True)
-        if self.scaler is not None:
-            self.scaler.step(self.opt)
-            self.scaler.update()
-        else:
-            self.opt.step()
+        _optimizer_step(self.opt, self.scaler)
 
     def flats(self):
         return {
@@ -354,6 +350,15 @@ class TorchVariant(Variant):
             "exp_avg_sq": self.v,
             "max_exp_avg_sq": self.vmax,
         }
+
+
+def _optimizer_step(opt: torch.optim.Optimizer, scaler) -> None:
+    """opt.step(), through GradScaler's step and update when the variant has a scaler."""
+    if scaler is None:
+        opt.step()
+    else:
+        scaler.step(opt)
+        scaler.update()
 
 
 def _grad_scaler(device: torch.device):
@@ -400,11 +405,7 @@ class OursVariant(Variant):
         self.scaler = _grad_scaler(self.p.device) if (pipeline and scaler) else None
 
     def step(self) -> None:
-        if self.scaler is not None:
-            self.scaler.step(self.opt)
-            self.scaler.update()
-        else:
-            self.opt.step()
+        _optimizer_step(self.opt, self.scaler)
 
     def flats(self):
         out = {"param": self.p}

@@ -88,6 +88,19 @@ def _torch_clip(model: nn.Module, max_norm: float = MAX_NORM) -> float:
     return torch.nn.utils.clip_grad_norm_(params, max_norm).item()
 
 
+def _scaler_steps(sc_o, sc_t, ours, theirs, mt) -> None:
+    """One GradScaler step of both optimizers: torch's side unscales and clips first (ours
+    does both inside its step), then both step and update; the scales must agree."""
+    sc_t.scale(torch.zeros(()))
+    sc_t.unscale_(theirs)
+    _torch_clip(mt)
+    sc_o.step(ours)
+    sc_t.step(theirs)
+    sc_o.update()
+    sc_t.update()
+    assert sc_o.get_scale() == sc_t.get_scale()
+
+
 def _check_report(report, grads, *, max_norm, scale=1.0, rtol=NORM_RTOL, skipped=False):
     norm, max_abs, nonfinite = _fp64_stats(grads, scale)
     assert isinstance(report, ruda_torch.GradientReport)
@@ -154,14 +167,7 @@ def test_max_grad_norm_without_stats_like_torch(mode, scaler):
                 dict(mo.named_parameters())[name].grad.view(-1)[0] = value
         copy_grads(mo, mt)
         if scaler:
-            sc_t.scale(torch.zeros(()))
-            sc_t.unscale_(theirs)
-            _torch_clip(mt)
-            sc_o.step(ours)
-            sc_t.step(theirs)
-            sc_o.update()
-            sc_t.update()
-            assert sc_o.get_scale() == sc_t.get_scale()
+            _scaler_steps(sc_o, sc_t, ours, theirs, mt)
         else:
             _torch_clip(mt)
             ours.step()
@@ -305,14 +311,7 @@ def test_gradscaler_with_stats_like_torch():
         scale = sc_o.get_scale()
         grads = [g.clone() for g in _grads(mo)]
         before = snapshot(ours)
-        sc_t.scale(torch.zeros(()))
-        sc_t.unscale_(theirs)
-        _torch_clip(mt)
-        sc_o.step(ours)
-        sc_t.step(theirs)
-        sc_o.update()
-        sc_t.update()
-        assert sc_o.get_scale() == sc_t.get_scale()
+        _scaler_steps(sc_o, sc_t, ours, theirs, mt)
         skipped = step in INJECT_AT
         _check_report(ours.last_report, grads, max_norm=MAX_NORM, scale=scale, skipped=skipped)
         if skipped:
