@@ -184,8 +184,8 @@ $(CPU_VENV)/.stamp-deps:
 
 test-cpu-torch: $(CPU_VENV)/.stamp-deps
 	rm -rf build/cpu-torch-src && mkdir -p build/cpu-torch-src
-	tar cf - setup.py pyproject.toml README.md csrc ruda_torch --exclude='*.so' \
-		--exclude=__pycache__ | tar xf - -C build/cpu-torch-src
+	tar cf - --exclude='*.so' --exclude=__pycache__ \
+		setup.py pyproject.toml README.md csrc ruda_torch | tar xf - -C build/cpu-torch-src
 	$(CPU_VENV)/bin/python -m pip install --no-build-isolation --no-deps -v build/cpu-torch-src
 	cd build && ../$(CPU_VENV)/bin/python -c "import torch, ruda_torch; \
 		print('torch', torch.__version__, 'backends', ruda_torch.compiled_backends()); \
