@@ -47,6 +47,22 @@ RUDA_HOST_DEVICE inline float bias_correction(double beta, int64_t t) {
   return static_cast<float>(1.0 - pow_int(beta, t));
 }
 
+// Note [Step counter range]
+// The FP32 counter, already advanced for this step, as the integer t of the bias
+// correction. load_state_dict and the functional API reject counters that are negative,
+// non-integral or non-finite, but a counter lives in device memory and can still be
+// written there (an in-place fill of state["step"]); the kernels read it without a host
+// sync, so such values are made harmless here instead of overflowing the int64 cast (a
+// NaN parameter): anything below 1, NaN included, counts as t = 1, and anything above
+// 2^62 as 2^62. Every FP64 beta < 1 is at most 1 - 2^-53, so beta^t < 2^-25 once
+// t >= 2^58 and 1 - beta^t is then exactly 1 in FP32: the upper clamp changes no result.
+RUDA_HOST_DEVICE inline int64_t step_count(float counter) {
+  constexpr float kMaxStep = 4611686018427387904.0f;  // 2^62, exact in FP32
+  if (!(counter >= 1.0f)) return 1;
+  if (counter >= kMaxStep) return static_cast<int64_t>(kMaxStep);
+  return static_cast<int64_t>(counter);
+}
+
 // clip_grad_norm_'s coefficient from a sum of squares: min(1, max_norm / (norm + 1e-6)).
 RUDA_HOST_DEVICE inline float clip_coefficient(float sum_of_squares, float max_norm) {
   float norm = ::sqrtf(sum_of_squares);
@@ -73,6 +89,10 @@ RUDA_HOST_DEVICE inline StepDecision decide_step(const StepControl& c) {
   }
   if (c.clip_coef != nullptr) clip = c.clip_coef[0];
   float scale = c.grad_scale != nullptr ? c.grad_scale[0] : 1.0f;
+  // A scale the gradient cannot be divided by (0, negative, infinite or NaN; only a
+  // device-side value can be one, the host paths reject them) skips the step instead of
+  // writing infinities or NaN into the parameters and moments.
+  skip = skip || !(scale > 0.0f && scale <= 3.402823466e38f);
   // Negating the clip coefficient negates g exactly (IEEE rounding is sign-symmetric).
   float signed_clip = c.maximize ? -clip : clip;
   return {skip, signed_clip / scale};

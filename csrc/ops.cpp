@@ -1,33 +1,10 @@
-// Operator schemas (TORCH_LIBRARY), the Python module object, and the CUDA stubs of a
-// build without CUDA kernels. Each backend registers its kernels in its own
-// TORCH_LIBRARY_IMPL file: csrc/cpu/ops_cpu.cpp and csrc/cuda/ops_cuda.cpp.
-#include <Python.h>
+// Operator schemas (TORCH_LIBRARY) and the rejection kernels (sparse tensors; CUDA tensors
+// in a build without CUDA kernels). Each backend registers its kernels in its own
+// TORCH_LIBRARY_IMPL file: csrc/cpu/ops_cpu.cpp and csrc/cuda/ops_cuda.cpp. The Python
+// module object is in csrc/module.cpp.
 #include <torch/library.h>
 
 #include <string>
-
-#include "grad_stats.h"
-
-// Importing ruda_torch._C runs the static registrations below; the module itself only
-// carries build facts (see ruda_torch/_build.py).
-extern "C" PyObject* PyInit__C(void) {
-  static struct PyModuleDef def = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, nullptr};
-  PyObject* m = PyModule_Create(&def);
-  if (m == nullptr) return nullptr;
-#ifdef RUDA_TORCH_WITH_CUDA
-  PyModule_AddIntConstant(m, "cuda_compiled", 1);
-#else
-  PyModule_AddIntConstant(m, "cuda_compiled", 0);
-#endif
-#if defined(CPU_CAPABILITY_AVX2)
-  PyModule_AddStringConstant(m, "cpu_isa", "avx2");
-#else
-  PyModule_AddStringConstant(m, "cpu_isa", "default");
-#endif
-  PyModule_AddIntConstant(m, "stats_chunk", ruda::kStatsChunk);
-  PyModule_AddIntConstant(m, "merge_fan_in", ruda::kMergeFanIn);
-  return m;
-}
 
 TORCH_LIBRARY(ruda_torch, m) {
   // In-place AdamW/AMSGrad over one bucket (SPEC section 1-2). `slots` is a CPU int64
@@ -39,6 +16,15 @@ TORCH_LIBRARY(ruda_torch, m) {
       "Tensor? grad_scale, Tensor? found_inf, Tensor? stats, Tensor? clip_coef, float lr, "
       "float beta1, float beta2, float eps, float weight_decay, float max_grad_norm, "
       "bool maximize) -> ()");
+  // The validation of adamw_scaled_ alone: raises what adamw_scaled_ would raise for the
+  // same arguments and writes nothing. The optimizer runs it for every kernel call of a
+  // step that has more than one, before the first one writes (Note [Atomic step] in
+  // ruda_torch/optimizer.py).
+  m.def(
+      "check_adamw_scaled(Tensor[] params, Tensor[] grads, Tensor exp_avg, Tensor exp_avg_sq, "
+      "Tensor? max_exp_avg_sq, Tensor steps, Tensor slots, Tensor? grad_scale, Tensor? found_inf, "
+      "Tensor? stats, Tensor? clip_coef, float lr, float beta1, float beta2, float eps, "
+      "float weight_decay, float max_grad_norm, bool maximize) -> ()");
   // One statistics row per kStatsChunk elements of each gradient (Note [Statistics row]).
   m.def("analyze_gradient(Tensor[] grads, Tensor? grad_scale, Tensor(a!) rows) -> ()");
   // One tree level: out[k] combines rows[1024k : 1024(k+1)].
@@ -87,8 +73,8 @@ void reject_cuda(const c10::OperatorHandle& op, torch::jit::Stack*) {
 }
 #endif
 
-constexpr const char* kOps[] = {"adamw_scaled_", "analyze_gradient", "merge_gradient_stats",
-                                "merge_gradient_stats_chunks"};
+constexpr const char* kOps[] = {"adamw_scaled_", "check_adamw_scaled", "analyze_gradient",
+                                "merge_gradient_stats", "merge_gradient_stats_chunks"};
 
 }  // namespace
 

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+import numbers
+from collections.abc import Mapping
 
 import torch
 
@@ -26,3 +28,97 @@ def check_hyperparameters(lr, betas, eps, weight_decay) -> None:
             raise ValueError(f"Invalid beta parameter at index {i}: {beta}")
     if not 0.0 <= weight_decay or not math.isfinite(weight_decay):
         raise ValueError(f"Invalid weight_decay value: {weight_decay}")
+
+
+def check_max_grad_norm(value):
+    """``None``, or a positive finite real number (returned as a float)."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ValueError(
+            f"Invalid max_grad_norm: {value!r} of type {type(value).__name__}; it must be a "
+            "positive finite number (a float) or None"
+        )
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"Invalid max_grad_norm: {value!r}; it must be positive and finite")
+    return float(value)
+
+
+def check_process_group(group) -> None:
+    """``None`` or a ``torch.distributed.ProcessGroup``."""
+    if group is None:
+        return
+    import torch.distributed as dist
+
+    if not (dist.is_available() and isinstance(group, dist.ProcessGroup)):
+        raise TypeError(
+            f"process_group must be a torch.distributed.ProcessGroup (e.g. the FSDP process "
+            f"group) or None, got {type(group).__name__}"
+        )
+
+
+# Note [Step counter range] in csrc/adamw_math.h: what the kernels do with counters that
+# only the device can see; everything that enters from the host is checked here.
+def step_value(value, where: str) -> float:
+    """A step counter from a checkpoint or a caller, as a float: a non-negative integral
+    finite number (Python or NumPy scalar, or a one-element real tensor)."""
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1:
+            raise ValueError(f"{where}['step'] must hold one value, got shape {tuple(value.shape)}")
+        if value.is_meta:
+            raise ValueError(f"{where}['step'] is a meta tensor; it must hold a value")
+        if value.is_complex() or value.dtype == torch.bool:
+            raise ValueError(f"{where}['step'] must be a real number, got {value.dtype}")
+        number = value.detach().reshape(()).to("cpu", torch.float64).item()
+    elif isinstance(value, numbers.Real) and not isinstance(value, bool):
+        number = float(value)
+    else:
+        raise ValueError(
+            f"{where}['step'] must be a number or a one-element tensor, got {type(value).__name__}"
+        )
+    if not (math.isfinite(number) and number >= 0 and number == int(number)):
+        raise ValueError(
+            f"{where}['step'] is {number!r}; a step counter must be a non-negative integer "
+            "(the number of updates applied)"
+        )
+    return number
+
+
+STATE_KEYS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
+REQUIRED_KEYS = ("step", "exp_avg", "exp_avg_sq")
+
+
+def check_state_entry(entry, p: torch.Tensor, where: str) -> float:
+    """A non-empty state entry in torch.optim.AdamW's layout for parameter ``p``: the
+    required keys, moments that are real floating tensors shaped like ``p``, a valid step
+    counter (returned). Raises ValueError naming ``where`` otherwise."""
+    if not isinstance(entry, Mapping):
+        raise ValueError(f"{where} must be a dict (torch.optim.AdamW's layout), got "
+                         f"{type(entry).__name__}")  # fmt: skip
+    missing = [k for k in REQUIRED_KEYS if k not in entry]
+    if missing:
+        raise ValueError(
+            f"{where} has keys {sorted(map(str, entry))} but lacks {missing}; an AdamW state "
+            "entry holds 'step', 'exp_avg', 'exp_avg_sq' (and 'max_exp_avg_sq' with amsgrad), "
+            "or is empty ({}) to start the parameter afresh"
+        )
+    for key in STATE_KEYS:
+        if key not in entry:
+            continue
+        value = entry[key]
+        if not isinstance(value, torch.Tensor):
+            raise ValueError(f"{where}[{key!r}] must be a tensor, got {type(value).__name__}")
+        if not (value.is_floating_point() or value.is_complex()) or value.is_meta:
+            raise ValueError(
+                f"{where}[{key!r}] must be a floating tensor with values, got "
+                f"{value.dtype}{' on meta' if value.is_meta else ''}"
+            )
+        if tuple(value.shape) != tuple(p.shape):
+            raise ValueError(
+                f"{where}[{key!r}] has shape {tuple(value.shape)} but its parameter has shape "
+                f"{tuple(p.shape)}; a parameter's state must keep its shape (reset it with "
+                "optimizer.state[p] = {} to start afresh)"
+            )
+        if value.is_complex() != p.is_complex():
+            raise ValueError(f"{where}[{key!r}] is {value.dtype} for a {p.dtype} parameter")
+    return step_value(entry["step"], where)

@@ -10,6 +10,7 @@ input unchanged. A returned result means the work was submitted: on CUDA, synchr
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -17,7 +18,7 @@ import torch
 
 from . import ops
 from ._build import check_device
-from ._validate import check_hyperparameters
+from ._validate import check_hyperparameters, step_value
 
 _GRAD_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -39,14 +40,27 @@ class AdamWOptions:
 
 @dataclass(frozen=True)
 class StepControl:
-    """Per-step control. ``gradient_scale`` divides the stored gradient (a float, or a
-    1-element FP32 tensor on the master's device such as GradScaler's scale);
-    ``skip_update`` (a bool, or a 1-element tensor such as GradScaler's ``found_inf``,
-    nonzero = skip) leaves everything unchanged. Both are read by the kernel when given
-    as tensors: no host sync."""
+    """Per-step control. ``gradient_scale`` divides the stored gradient (a positive
+    finite number, or a 1-element tensor on the master's device such as GradScaler's
+    scale; a tensor holding 0, a negative, an infinite or a NaN scale skips the step);
+    ``skip_update`` (a bool, an int or a NumPy bool, by truth value, or a 1-element
+    tensor such as GradScaler's ``found_inf``, nonzero = skip) leaves everything
+    unchanged. Tensors are read by the kernel: no host sync."""
 
     gradient_scale: float | torch.Tensor = 1.0
     skip_update: bool | torch.Tensor = False
+
+    def __post_init__(self):
+        skip = self.skip_update
+        if isinstance(skip, torch.Tensor):
+            return
+        numpy_bool = type(skip).__module__ == "numpy" and type(skip).__name__ in ("bool", "bool_")
+        if not (isinstance(skip, numbers.Integral) or numpy_bool):
+            raise TypeError(
+                f"StepControl.skip_update must be a bool, an int or a one-element tensor, got "
+                f"{type(skip).__name__}"
+            )
+        object.__setattr__(self, "skip_update", bool(skip))
 
 
 @dataclass(frozen=True)
@@ -66,15 +80,12 @@ class AdamWState:
 
     @classmethod
     def from_parts(cls, step, exp_avg, exp_avg_sq, max_exp_avg_sq=None) -> AdamWState:
-        """Rebuild a state from ``to_parts()``; ``step`` may be an int or a tensor."""
+        """Rebuild a state from ``to_parts()``; ``step`` (an int or a one-element tensor)
+        must be a non-negative integer count (its value is read: a host sync on CUDA)."""
         device = exp_avg.device
-        if not isinstance(step, torch.Tensor):
-            if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-                raise ValueError(f"step must be a non-negative int or a tensor, got {step!r}")
-            step = torch.tensor(float(step), dtype=torch.float32, device=device)
-        if step.numel() != 1:
-            raise ValueError(f"step must hold one value, got shape {tuple(step.shape)}")
-        step = step.to(device=device, dtype=torch.float32).reshape(())
+        # Where a counter enters from a checkpoint (Note [Step counter range]).
+        value = step_value(step, "AdamWState.from_parts: state")
+        step = torch.tensor(value, dtype=torch.float32, device=device)
         state = cls(step, exp_avg, exp_avg_sq, max_exp_avg_sq)
         for name in ("exp_avg_sq", "max_exp_avg_sq"):
             t = getattr(state, name)
@@ -87,9 +98,9 @@ class AdamWState:
 
 
 class StepResult(NamedTuple):
-    """``parameters`` and ``state`` are new tensors. ``updated`` is a bool when
-    ``skip_update`` was a bool, and a 0-dim bool tensor on the device (no host sync)
-    when it was a tensor. Do not advance a data cursor only because of it."""
+    """``parameters`` and ``state`` are new tensors. ``updated`` is a bool when neither
+    ``skip_update`` nor ``gradient_scale`` was a tensor, and a 0-dim bool tensor on the
+    device (no host sync) otherwise. Do not advance a data cursor only because of it."""
 
     parameters: torch.Tensor
     state: AdamWState
@@ -197,4 +208,8 @@ def adamw_step(
             found_inf=found_inf,
         )
     updated = True if found_inf is None else found_inf[0] == 0
+    if grad_scale is not None and isinstance(control.gradient_scale, torch.Tensor):
+        scale = grad_scale[0]  # the kernel's rule (decide_step in csrc/adamw_math.h)
+        usable = (scale > 0) & torch.isfinite(scale)
+        updated = usable if updated is True else updated & usable
     return StepResult(params, new_state, updated)

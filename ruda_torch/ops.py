@@ -42,8 +42,46 @@ def adamw_scaled_(
     (1 element), ``stats`` (the 3-float report) and ``clip_coef`` (1 element) live on
     the parameters' device and are read by the kernel: no host sync. The step is skipped
     (nothing written, counters unchanged) when ``found_inf != 0`` or ``stats[2] != 0``.
+    The step is also skipped when ``grad_scale`` is not a positive finite number
+    (Note [Step counter range] has the companion rule for step counters).
     """
-    _ops.adamw_scaled_(
+    _call(
+        _ops.adamw_scaled_, params, grads, exp_avg, exp_avg_sq, max_exp_avg_sq, steps, slots,
+        lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, maximize=maximize,
+        grad_scale=grad_scale, found_inf=found_inf, stats=stats, max_grad_norm=max_grad_norm,
+        clip_coef=clip_coef,
+    )  # fmt: skip
+
+
+def check_adamw_scaled(*args, **kwargs) -> None:
+    """Validate the arguments of :func:`adamw_scaled_` (same signature) and write nothing:
+    raises exactly what ``adamw_scaled_`` would raise for them."""
+    _call(_ops.check_adamw_scaled, *args, **kwargs)
+
+
+def _call(
+    op,
+    params,
+    grads,
+    exp_avg,
+    exp_avg_sq,
+    max_exp_avg_sq,
+    steps,
+    slots,
+    *,
+    lr,
+    beta1,
+    beta2,
+    eps,
+    weight_decay,
+    maximize=False,
+    grad_scale=None,
+    found_inf=None,
+    stats=None,
+    max_grad_norm=0.0,
+    clip_coef=None,
+) -> None:
+    op(
         params, grads, exp_avg, exp_avg_sq, max_exp_avg_sq, steps, slots,
         grad_scale, found_inf, stats, clip_coef,
         lr, beta1, beta2, eps, weight_decay, max_grad_norm, maximize,
@@ -109,6 +147,11 @@ def _adamw_scaled_fake(params, grads, exp_avg, exp_avg_sq, max_exp_avg_sq, steps
         raise RuntimeError(
             "ruda_torch.adamw_scaled_: slots is a meta tensor; it must be a CPU int64 tensor"
         )
+
+
+@torch.library.register_fake("ruda_torch::check_adamw_scaled")
+def _check_adamw_scaled_fake(*args):
+    _adamw_scaled_fake(*args)
 
 
 @torch.library.register_fake("ruda_torch::analyze_gradient")

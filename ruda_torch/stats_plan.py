@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from . import ops
+from . import _build, ops
 
 FAN_IN = 1024
 MAX_ROWS = 4_194_304  # FAN_IN ** 2 * 4: at most two intermediate levels
@@ -67,3 +67,23 @@ class StatsPlan:
             src = dst
             offset += ROW_WIDTH * n
         ops.merge_gradient_stats(src, out.view(1, ROW_WIDTH))
+
+
+def row_pieces(numels: list[int]) -> list[tuple[int, int, int]]:
+    """Split a bucket's gradients (given by their sizes) into runs of at most MAX_ROWS
+    statistics rows: (first tensor, end tensor, rows). A bucket normally is one piece."""
+    pieces, lo, rows = [], 0, 0
+    for i, numel in enumerate(numels):
+        r = ops.stats_rows_for(numel)
+        if r > MAX_ROWS:
+            raise ValueError(
+                f"a gradient of {numel:,} elements needs {r:,} statistics rows; one report "
+                f"holds at most {MAX_ROWS:,} rows ({MAX_ROWS * _build.STATS_CHUNK:,} elements)"
+            )
+        if rows + r > MAX_ROWS:
+            pieces.append((lo, i, rows))
+            lo, rows = i, 0
+        rows += r
+    if rows > 0 or not pieces:
+        pieces.append((lo, len(numels), rows))
+    return [p for p in pieces if p[2] > 0]

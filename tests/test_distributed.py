@@ -34,6 +34,7 @@ mesh: placements (Replicate(), Shard(0))) and "ddp".
 
 from __future__ import annotations
 
+import copy
 import datetime
 import multiprocessing
 import os
@@ -703,7 +704,52 @@ def scenario_example(rank: int, workdir: str, flags: list[str]) -> None:
         assert text == "", text
 
 
+def scenario_zero_load_after_steps(rank: int, workdir: str, fused: bool) -> None:
+    """ZeroRedundancyOptimizer around ruda_torch.AdamW: its load_state_dict assigns
+    ``optim.state[param] = ...`` into the local optimizer (and moves 0-dim tensors to the
+    CPU). Load a checkpoint taken after SAVE_AFTER steps into an optimizer that has
+    stepped past it, then continue: bit-identical to the run that never went past the
+    checkpoint, and within Note [Optimizer-level tolerance] of torch.optim.AdamW doing
+    the same. Every rank sees the global batch (replicated gradients, no DDP)."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    def run(optimizer_class, **extra):
+        model = make_model()
+        opt = ZeroRedundancyOptimizer(
+            model.parameters(), optimizer_class=optimizer_class, **HP, **extra
+        )
+
+        def train(steps):
+            for step in steps:
+                opt.zero_grad(set_to_none=True)
+                x, y = global_batch(step)
+                loss_fn(model(x), y).backward()
+                opt.step()
+
+        train(range(SAVE_AFTER))
+        opt.consolidate_state_dict(to=0)
+        box = [copy.deepcopy(opt.state_dict()) if rank == 0 else None]  # not live tensors
+        dist.broadcast_object_list(box, src=0)
+        params = [p.detach().clone() for p in model.parameters()]
+        train(range(SAVE_AFTER, STEPS))  # past the checkpoint
+        straight = [p.detach().clone() for p in model.parameters()]
+        with torch.no_grad():
+            for p, saved in zip(model.parameters(), params, strict=True):
+                p.copy_(saved)
+        opt.load_state_dict(box[0])
+        train(range(SAVE_AFTER, STEPS))  # again, from the loaded checkpoint
+        return straight, [p.detach().clone() for p in model.parameters()]
+
+    ours_straight, ours_resumed = run(ruda_torch.AdamW, fused_step=fused)
+    torch_straight, torch_resumed = run(torch.optim.AdamW, foreach=False)
+    assert_same_bits(ours_resumed, ours_straight, "ZeRO: resumed vs uninterrupted")
+    assert_same_bits(torch_resumed, torch_straight, "torch ZeRO: resumed vs uninterrupted")
+    for a, b in zip(ours_resumed, torch_resumed, strict=True):
+        torch.testing.assert_close(a, b, rtol=2e-6, atol=1e-7)
+
+
 SCENARIOS = {
+    "zero-load-after-steps": scenario_zero_load_after_steps,
     "training": scenario_training,
     "clipping-without-statistics": scenario_clipping_without_statistics,
     "errors-fsdp1": scenario_errors_fsdp1,
@@ -754,3 +800,8 @@ def test_checkpoint_resume_is_bit_identical(tmp_path, setup):
 )
 def test_example_fsdp_train_resumes_bit_identically(tmp_path, flags):
     run_scenario(tmp_path, "example", flags=flags)
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "generic"])
+def test_zero_redundancy_optimizer_load_into_a_stepped_optimizer(tmp_path, fused):
+    run_scenario(tmp_path, "zero-load-after-steps", fused=fused)

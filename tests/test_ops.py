@@ -1301,6 +1301,46 @@ def test_adamw_step_skip_update_bool():
 
 
 @pytest.mark.parametrize(
+    "flag, skips",
+    [(1, True), (0, False), (np.True_, True), (np.False_, False), (np.int64(3), True)],
+    ids=["int-1", "int-0", "numpy-True", "numpy-False", "numpy-int"],
+)
+def test_adamw_step_skip_update_by_truth_value(flag, skips):
+    """skip_update=1 or numpy.bool_(True) skips, as True does (truth value, not `is True`)."""
+    gen = torch.Generator().manual_seed(11)
+    master, grad, state = _functional_inputs(gen, (40,), torch.float32, amsgrad=False)
+    result = ruda_torch.adamw_step(
+        master, grad, state, None, ruda_torch.StepControl(skip_update=flag)
+    )
+    assert result.updated is (not skips)
+    assert same_bits(result.parameters, master) == skips
+
+
+@pytest.mark.parametrize("flag", [1.0, "yes", None], ids=["float", "str", "None"])
+def test_step_control_rejects_other_skip_flags(flag):
+    with pytest.raises(TypeError, match="skip_update must be a bool, an int or a one-element"):
+        ruda_torch.StepControl(skip_update=flag)
+
+
+@pytest.mark.parametrize("scale", [0.0, -2.0, math.inf, math.nan], ids=str)
+def test_adamw_step_unusable_tensor_scale_skips(scale):
+    """A float scale of 0 is rejected on the host; a tensor one can only be seen on the
+    device, where it skips the step instead of writing NaN (decide_step)."""
+    gen = torch.Generator().manual_seed(14)
+    master, grad, state = _functional_inputs(gen, (97,), torch.float32, amsgrad=True)
+    control = ruda_torch.StepControl(gradient_scale=torch.tensor(scale))
+    result = ruda_torch.adamw_step(
+        master, grad, state, ruda_torch.AdamWOptions(amsgrad=True), control
+    )
+    assert isinstance(result.updated, torch.Tensor) and not bool(result.updated)
+    assert same_bits(result.parameters, master)
+    for a, b in zip(_state_tensors(result.state), _state_tensors(state), strict=True):
+        assert same_bits(a, b)
+    with pytest.raises(ValueError, match="gradient_scale must be positive"):
+        ruda_torch.adamw_step(master, grad, state, None, ruda_torch.StepControl(gradient_scale=0.0))
+
+
+@pytest.mark.parametrize(
     "skip_value,shape", [(0.0, ()), (0.0, (1,)), (1.0, ()), (1.0, (1,)), (2.0, (1,))]
 )
 def test_adamw_step_skip_update_tensor(skip_value, shape):
@@ -1348,10 +1388,16 @@ def test_adamw_state_parts_round_trip():
 
 
 FROM_PARTS_ERRORS = [
-    ("negative_step", lambda s: (-1, s.exp_avg, s.exp_avg_sq), r"non-negative int"),
-    ("bool_step", lambda s: (True, s.exp_avg, s.exp_avg_sq), r"non-negative int"),
-    ("float_step", lambda s: (1.5, s.exp_avg, s.exp_avg_sq), r"non-negative int"),
+    ("negative_step", lambda s: (-1, s.exp_avg, s.exp_avg_sq), r"non-negative integer"),
+    ("bool_step", lambda s: (True, s.exp_avg, s.exp_avg_sq), r"must be a number"),
+    ("float_step", lambda s: (1.5, s.exp_avg, s.exp_avg_sq), r"non-negative integer"),
     ("step_two_values", lambda s: (torch.zeros(2), s.exp_avg, s.exp_avg_sq), r"one value"),
+    ("nan_step", lambda s: (torch.tensor(math.nan), s.exp_avg, s.exp_avg_sq), r"non-negative"),
+    ("inf_step", lambda s: (math.inf, s.exp_avg, s.exp_avg_sq), r"non-negative integer"),
+    ("negative_tensor_step", lambda s: (torch.tensor(-2.0), s.exp_avg, s.exp_avg_sq), r"integer"),
+    ("none_step", lambda s: (None, s.exp_avg, s.exp_avg_sq), r"must be a number"),
+    ("str_step", lambda s: ("3", s.exp_avg, s.exp_avg_sq), r"must be a number"),
+    ("meta_step", lambda s: (torch.tensor(3.0, device="meta"), s.exp_avg, s.exp_avg_sq), r"meta"),
     (
         "exp_avg_sq_shape",
         lambda s: (s.step, s.exp_avg, s.exp_avg_sq.reshape(-1)),

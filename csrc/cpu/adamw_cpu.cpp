@@ -82,7 +82,7 @@ void run(const AdamWLaunch& L, float factor) {
       while (i + 1 < L.n_tensors && L.table[i + 1].unit_start <= u) ++i;
       const TensorEntry& e = L.table[i];
       // The counter was advanced before the parallel region (see adamw_cpu).
-      const int64_t t = static_cast<int64_t>(L.steps[e.step_index]);
+      const int64_t t = step_count(L.steps[e.step_index]);  // Note [Step counter range]
       const StepCoefs<float> c = make_coefs(L.hyper, factor, t);
       const int64_t begin = (u - e.unit_start) * kCpuTile;
       update_range<T, AMSGRAD>(L, e, c, begin, std::min(begin + kCpuTile, e.numel));

@@ -49,7 +49,7 @@ __global__ void __launch_bounds__(kThreads) adamw_kernel(AdamWLaunch L) {
   for (int64_t u = blockIdx.x; u < L.n_units; u += gridDim.x) {
     const int64_t i = find_tensor(L.table, L.n_tensors, u);
     const TensorEntry e = L.table[i];
-    const int64_t t = static_cast<int64_t>(L.steps[e.step_index]);
+    const int64_t t = step_count(L.steps[e.step_index]);  // Note [Step counter range]
     const StepCoefs<float> c = make_coefs(L.hyper, d.factor, t);
     const int64_t begin = (u - e.unit_start) * kCudaTile;
     const int64_t end = min(begin + kCudaTile, e.numel);

@@ -1,0 +1,116 @@
+"""Gradient statistics and clipping across the buckets of one step: the orchestration of
+the native statistics operators (``hierarchical_stats``) and the tensor-operation norm
+(``max_grad_norm`` alone). The reduction order is Note [Statistics row] in
+csrc/grad_stats.h; scopes are Note [Scopes] in ruda_torch/distributed.py."""
+
+from __future__ import annotations
+
+import torch
+
+from . import ops
+from ._generic import local
+from .distributed import globalize_report, globalize_sum
+from .stats_plan import StatsPlan
+
+
+class PerDevice:
+    """Copies of small control tensors on each device that needs them, made once a step."""
+
+    def __init__(self):
+        self._cache: dict = {}
+
+    def get(self, t: torch.Tensor | None, device: torch.device):
+        if t is None:
+            return None
+        if t.device == device:
+            return t.reshape(-1) if t.dim() != 1 else t
+        key = (id(t), device)
+        if key not in self._cache:
+            self._cache[key] = t.to(device, non_blocking=True).reshape(-1)
+        return self._cache[key]
+
+
+def gradient_report(calls, buckets, grad_scale, per_device: PerDevice) -> torch.Tensor:
+    """One report over all active fused buckets: per bucket analyze + merge tree (split
+    into several reports when a bucket has more than MAX_ROWS rows); a left fold per
+    (device, scope), globalized over the scope's process groups; then a left fold across
+    scopes and devices. ``buckets`` are all the plan's buckets, in order."""
+    reports_by_device: dict = {}
+    for call in calls:
+        b = call.bucket
+        rows, scratch = b.stats_buffers()
+        pieces = b.row_pieces(call.active)
+        out = reports_by_device.setdefault((b.device, b.scope), [])
+        row_start = 0
+        for lo, hi, n_rows in pieces:
+            report = torch.empty(3, dtype=torch.float32, device=b.device)
+            piece_rows = rows[row_start : row_start + n_rows]
+            ops.analyze_gradient(
+                call.grads[lo:hi], piece_rows, per_device.get(grad_scale, b.device)
+            )
+            StatsPlan(n_rows).reduce(piece_rows, scratch, report)
+            row_start += n_rows
+            out.append(report)
+    # Every rank takes part in the same all-gathers in the same order, active gradients
+    # or not: keys in bucket order, and every sharded scope present.
+    order = []
+    for b in buckets:
+        key = (b.device, b.scope)
+        if key not in order and (b.scope.groups or key in reports_by_device):
+            order.append(key)
+    if not order:
+        return torch.zeros(3, dtype=torch.float32, device=torch.device("cpu"))
+    partial = []
+    for dev, scope in order:
+        reports = reports_by_device.get((dev, scope), [])
+        final = torch.empty(3, dtype=torch.float32, device=dev)
+        if reports:
+            ops.merge_gradient_stats_chunks(torch.stack(reports), final)
+        else:
+            final.zero_()
+        partial.append(globalize_report(final, scope))
+    if len(partial) == 1:
+        return partial[0]
+    first = partial[0].device
+    final = torch.empty(3, dtype=torch.float32, device=first)
+    gathered = torch.stack([r.to(first, non_blocking=True) for r in partial])
+    ops.merge_gradient_stats_chunks(gathered, final)
+    return final
+
+
+def _square_norm(g: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """||g||^2 as an FP32 scalar on ``device``. FP32 and 16-bit gradients are summed in
+    FP32; FP64 and complex ones in their own precision (vector_norm cannot lower it)."""
+    if g.dtype in (torch.float32, torch.float16, torch.bfloat16):
+        norm = torch.linalg.vector_norm(g, dtype=torch.float32)
+    else:
+        norm = torch.linalg.vector_norm(g).to(torch.float32)
+    return norm.to(device).square()
+
+
+def tensor_norm_clip(max_grad_norm, fused_calls, generic, scopes, buckets, grad_scale):
+    """clip_grad_norm_'s coefficient from a tensor-operation norm (no native stats);
+    ``scopes`` are those of the generic path's gradients, in order."""
+    by_scope: dict = {}
+    for c in fused_calls:
+        by_scope.setdefault(c.bucket.scope, []).extend(c.grads)
+    generic_grads = [g for _, _, gs in generic for g in gs]
+    for scope, g in zip(scopes, generic_grads, strict=True):
+        by_scope.setdefault(scope, []).append(local(g))
+    for b in buckets:
+        if b.scope.groups:
+            by_scope.setdefault(b.scope, [])
+    if not by_scope:
+        return None
+    grads = [g for gs in by_scope.values() for g in gs]
+    first = grads[0].device if grads else buckets[0].device
+    squares = []
+    for scope, gs in by_scope.items():
+        sq = torch.zeros((), dtype=torch.float32, device=first)
+        for g in gs:
+            sq = sq + _square_norm(g, first)
+        squares.append(globalize_sum(sq, scope))
+    total = torch.stack(squares).sum().sqrt()
+    if grad_scale is not None:
+        total = total / grad_scale.to(first).reshape(())
+    return (max_grad_norm / (total + 1e-6)).clamp(max=1.0).reshape(1)
