@@ -324,6 +324,16 @@ def _resize_with_state(opt, model_side):
     p.data = rand((120,), 20)
 
 
+def _grow_within_padding(opt, model_side):
+    p = _p(opt, 0, 0)  # 97 elements: its slot is padded to 112
+    p.data = rand((100,), 21)
+
+
+def _shrink_with_state(opt, model_side):
+    p = _p(opt, 0, 2)
+    p.data = rand((1000,), 22)
+
+
 def _reshape_with_state(opt, model_side):
     p = _p(opt, 0, 1)
     p.data = p.data.reshape(5, 4).clone()
@@ -391,6 +401,10 @@ def _integer_param_generic(opt, model_side):
 # (mutation, modes it applies to, error type, message)
 REJECTIONS = {
     "resize param with state": (_resize_with_state, ("fused", "mixed"), ValueError, "shape"),
+    "grow param within its padding": (
+        _grow_within_padding, ("fused", "mixed"), ValueError, "shape"
+    ),
+    "shrink param with state": (_shrink_with_state, ("fused", "mixed"), ValueError, "shape"),
     "reshape param with state": (_reshape_with_state, ("fused", "mixed"), ValueError, "shape"),
     "broadcastable grad (generic)": (_broadcastable_grad, ("mixed", "generic"), ValueError, "shape"),
     "broadcastable grad (fused)": (_broadcastable_grad, ("fused",), RuntimeError, "same shape"),

@@ -740,6 +740,9 @@ def scenario_zero_load_after_steps(rank: int, workdir: str, fused: bool) -> None
         train(range(SAVE_AFTER, STEPS))  # again, from the loaded checkpoint
         return straight, [p.detach().clone() for p in model.parameters()]
 
+    # deepcopy shares the process group (a handle to communicators), and keeps it.
+    grouped = ruda_torch.AdamW(make_model().parameters(), process_group=dist.group.WORLD)
+    assert copy.deepcopy(grouped).process_group is dist.group.WORLD
     ours_straight, ours_resumed = run(ruda_torch.AdamW, fused_step=fused)
     torch_straight, torch_resumed = run(torch.optim.AdamW, foreach=False)
     assert_same_bits(ours_resumed, ours_straight, "ZeRO: resumed vs uninterrupted")
