@@ -244,6 +244,21 @@ PreparedAdamW prepare_adamw(
   return prep;
 }
 
+void check_adamw_scaled(at::TensorList params, at::TensorList grads, const at::Tensor& exp_avg,
+                        const at::Tensor& exp_avg_sq,
+                        const std::optional<at::Tensor>& max_exp_avg_sq, const at::Tensor& steps,
+                        const at::Tensor& slots, const std::optional<at::Tensor>& grad_scale,
+                        const std::optional<at::Tensor>& found_inf,
+                        const std::optional<at::Tensor>& stats,
+                        const std::optional<at::Tensor>& clip_coef, double lr, double beta1,
+                        double beta2, double eps, double weight_decay, double max_grad_norm,
+                        bool maximize) {
+  // The unit only sizes the work split, which validation does not use.
+  prepare_adamw(params, grads, exp_avg, exp_avg_sq, max_exp_avg_sq, steps, slots, grad_scale,
+                found_inf, stats, clip_coef, lr, beta1, beta2, eps, weight_decay, max_grad_norm,
+                maximize, /*unit=*/1);
+}
+
 PreparedStats prepare_analyze(at::TensorList grads, const std::optional<at::Tensor>& grad_scale,
                               const at::Tensor& rows) {
   const char* op = "analyze_gradient";

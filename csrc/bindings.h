@@ -34,6 +34,17 @@ PreparedAdamW prepare_adamw(
     const std::optional<at::Tensor>& clip_coef, double lr, double beta1, double beta2, double eps,
     double weight_decay, double max_grad_norm, bool maximize, int64_t unit);
 
+// check_adamw_scaled: prepare_adamw for its errors alone (any backend; writes nothing).
+void check_adamw_scaled(at::TensorList params, at::TensorList grads, const at::Tensor& exp_avg,
+                        const at::Tensor& exp_avg_sq,
+                        const std::optional<at::Tensor>& max_exp_avg_sq, const at::Tensor& steps,
+                        const at::Tensor& slots, const std::optional<at::Tensor>& grad_scale,
+                        const std::optional<at::Tensor>& found_inf,
+                        const std::optional<at::Tensor>& stats,
+                        const std::optional<at::Tensor>& clip_coef, double lr, double beta1,
+                        double beta2, double eps, double weight_decay, double max_grad_norm,
+                        bool maximize);
+
 PreparedStats prepare_analyze(at::TensorList grads, const std::optional<at::Tensor>& grad_scale,
                               const at::Tensor& rows);
 

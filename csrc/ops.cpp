@@ -6,6 +6,8 @@
 
 #include <string>
 
+#include "bindings.h"
+
 TORCH_LIBRARY(ruda_torch, m) {
   // In-place AdamW/AMSGrad over one bucket (SPEC section 1-2). `slots` is a CPU int64
   // tensor [n, 2]: the element offset of params[i]'s slice in the flat state buffers and
@@ -93,3 +95,9 @@ TORCH_LIBRARY_IMPL(ruda_torch, CUDA, m) {
   for (const char* op : kOps) m.impl(op, torch::CppFunction::makeFromBoxedFunction<&reject_cuda>());
 }
 #endif
+
+// check_adamw_scaled reads only metadata and addresses, the same on every backend: one
+// kernel for all (the sparse and CPU-only-build CUDA registrations above take precedence).
+TORCH_LIBRARY_IMPL(ruda_torch, CompositeExplicitAutograd, m) {
+  m.impl("check_adamw_scaled", &ruda::check_adamw_scaled);
+}

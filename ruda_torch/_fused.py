@@ -348,9 +348,17 @@ def derive(opt, previous: FusedPlan | None, needs_global: bool) -> FusedPlan:
     adopt = []  # (bucket, slot, entry, step, values)
     forget = []  # (bucket, slot)
     reused: list[Bucket] = []
+    owner: dict[int, int] = {}  # parameter id -> the fused group that lists it
     for gi, group in enumerate(opt.param_groups):
         if not group.get("fused_step"):
             continue
+        for p in group["params"]:
+            first = owner.setdefault(id(p), gi)
+            if first != gi:
+                raise ValueError(
+                    f"a parameter appears in param groups {first} and {gi}; every parameter "
+                    "belongs to one group (torch's add_param_group enforces this too)"
+                )
         amsgrad = bool(group["amsgrad"])
         buckets = []
         for scope, ps, js in split_group(opt, gi, group, needs_global):

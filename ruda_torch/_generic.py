@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from ._validate import REQUIRED_KEYS, STATE_KEYS, step_value
+from ._validate import STATE_KEYS, check_required_keys, step_value
 
 _PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
 
@@ -53,13 +53,7 @@ def check_entry(st, p: torch.Tensor, amsgrad: bool, where: str) -> bool:
     to); True when a Python-number step must become a tensor first (phase 2). The value of
     a tensor counter is not read (that would be a host sync per parameter): the update's
     arithmetic clamps it (Note [Step counter range])."""
-    missing = [k for k in REQUIRED_KEYS if k not in st]
-    if missing:
-        raise ValueError(
-            f"{where} has keys {sorted(map(str, st))} but lacks {missing}; an AdamW state "
-            "entry holds 'step', 'exp_avg', 'exp_avg_sq' (and 'max_exp_avg_sq' with amsgrad), "
-            "or is empty ({}) to start the parameter afresh"
-        )
+    check_required_keys(st, where)
     for key in STATE_KEYS:
         v = st.get(key)
         if v is not None and (not isinstance(v, torch.Tensor) or v.shape != p.shape):

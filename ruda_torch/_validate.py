@@ -88,13 +88,7 @@ STATE_KEYS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
 REQUIRED_KEYS = ("step", "exp_avg", "exp_avg_sq")
 
 
-def check_state_entry(entry, p: torch.Tensor, where: str) -> float:
-    """A non-empty state entry in torch.optim.AdamW's layout for parameter ``p``: the
-    required keys, moments that are real floating tensors shaped like ``p``, a valid step
-    counter (returned). Raises ValueError naming ``where`` otherwise."""
-    if not isinstance(entry, Mapping):
-        raise ValueError(f"{where} must be a dict (torch.optim.AdamW's layout), got "
-                         f"{type(entry).__name__}")  # fmt: skip
+def check_required_keys(entry, where: str) -> None:
     missing = [k for k in REQUIRED_KEYS if k not in entry]
     if missing:
         raise ValueError(
@@ -102,6 +96,16 @@ def check_state_entry(entry, p: torch.Tensor, where: str) -> float:
             "entry holds 'step', 'exp_avg', 'exp_avg_sq' (and 'max_exp_avg_sq' with amsgrad), "
             "or is empty ({}) to start the parameter afresh"
         )
+
+
+def check_state_entry(entry, p: torch.Tensor, where: str) -> float:
+    """A non-empty state entry in torch.optim.AdamW's layout for parameter ``p``: the
+    required keys, moments that are real floating tensors shaped like ``p``, a valid step
+    counter (returned). Raises ValueError naming ``where`` otherwise."""
+    if not isinstance(entry, Mapping):
+        raise ValueError(f"{where} must be a dict (torch.optim.AdamW's layout), got "
+                         f"{type(entry).__name__}")  # fmt: skip
+    check_required_keys(entry, where)
     for key in STATE_KEYS:
         if key not in entry:
             continue

@@ -41,7 +41,6 @@ from ._validate import (
     check_max_grad_norm,
     check_process_group,
     check_state_entry,
-    step_value,
 )
 from .distributed import scope_of
 from .report import GradientReport
@@ -209,10 +208,9 @@ class AdamW(Optimizer):
             params = [params]
         elif not isinstance(params, set):  # torch's own error for sets stays torch's
             params = list(params)
-        if merged[
-            "fused_step"
-        ]:  # checked before the group exists: a rejected group leaves no trace
-            # (name, tensor) pairs are split by torch's add_param_group below.
+        # Checked before the group exists: a rejected group leaves no trace. (name, tensor)
+        # pairs are split by torch's add_param_group below.
+        if merged["fused_step"]:
             tensors = [p[1] if isinstance(p, tuple) and len(p) == 2 else p for p in params]
             gi = len(self.param_groups)
             for j, p in enumerate(tensors):
@@ -252,11 +250,13 @@ class AdamW(Optimizer):
                 raise ValueError(f"loaded param group {gi} has fused_step=False but "
                                  "hierarchical_stats=True requires it")  # fmt: skip
             new_groups.append(g)
+        steps = {}  # parameter id -> its validated step counter
         for key, st in state_dict["state"].items():
             if key not in id_to_param:
                 raise ValueError(f"loaded state has an entry for unknown parameter index {key}")
             if st:
-                check_state_entry(st, id_to_param[key], f"loaded state[{key}]")
+                p = id_to_param[key]
+                steps[id(p)] = check_state_entry(st, p, f"loaded state[{key}]")
         needs_global = self.hierarchical_stats or self.max_grad_norm is not None
         for gi, g in enumerate(new_groups):  # what derive() below checks of the parameters
             if g["fused_step"]:
@@ -265,10 +265,9 @@ class AdamW(Optimizer):
         super().load_state_dict({"state": state_dict["state"], "param_groups": new_groups})
         for group in self.param_groups:
             for p in group["params"]:
-                st = self.state.get(p)
-                if st and "step" in st:  # torch's format: an FP32 0-dim tensor per parameter
-                    st["step"] = torch.tensor(
-                        step_value(st["step"], "state"), dtype=torch.float32, device=local(p).device
+                if id(p) in steps:  # torch's format: an FP32 0-dim tensor per parameter
+                    self.state[p]["step"] = torch.tensor(
+                        steps[id(p)], dtype=torch.float32, device=local(p).device
                     )
         self._current_plan()  # the buckets adopt the loaded state now; validated above
 

@@ -381,6 +381,10 @@ def _duplicate_param(opt, model_side):
     opt.param_groups[0]["params"].append(opt.param_groups[0]["params"][0])
 
 
+def _param_in_two_groups(opt, model_side):
+    opt.param_groups[1]["params"].append(opt.param_groups[0]["params"][0])
+
+
 def _fp64_param(opt, model_side):
     p = _p(opt, 0, 2)
     p.data = p.data.double()
@@ -428,6 +432,7 @@ REJECTIONS = {
     "step list": (_bad_step([3]), tuple(MODES), ValueError, "must be a number"),
     "step meta": (_bad_step(torch.tensor(3.0, device="meta")), tuple(MODES), ValueError, "meta"),
     "duplicate param": (_duplicate_param, ("fused", "mixed"), ValueError, "twice"),
+    "param in two groups": (_param_in_two_groups, ("fused",), ValueError, "param groups 0 and 1"),
     "float64 param (fused)": (_fp64_param, ("fused", "mixed"), RuntimeError, "float32"),
     "sparse grad in the last group": (
         _sparse_grad_last_group, ("fused", "mixed", "generic"), RuntimeError, "sparse"
@@ -488,6 +493,13 @@ def _grads(opt) -> list:
     ]
 
 
+def _torch_step(theirs, step: int, clip) -> None:
+    set_grads(theirs, step)
+    if clip is not None:
+        torch.nn.utils.clip_grad_norm_([p for g in theirs.param_groups for p in g["params"]], clip)
+    theirs.step()
+
+
 @pytest.mark.parametrize("name, mode, stats", REJECTION_PARAMS)
 def test_rejected_mutation_changes_nothing(name, mode, stats):
     mutate, _, error, message = REJECTIONS[name]
@@ -497,12 +509,7 @@ def test_rejected_mutation_changes_nothing(name, mode, stats):
     theirs = make_torch(make_params())
     for step in (1, 2, 3):
         step_all((ours, twin), step)
-        set_grads(theirs, step)
-        if stats:
-            torch.nn.utils.clip_grad_norm_(
-                [p for g in theirs.param_groups for p in g["params"]], 0.5
-            )
-        theirs.step()
+        _torch_step(theirs, step, clip=0.5 if stats else None)
     # Step 4 with the bad input: it fails before anything is written.
     set_grads(ours, 4)
     saved = [(p, p.data) for g in ours.param_groups for p in g["params"]]
@@ -530,12 +537,7 @@ def test_rejected_mutation_changes_nothing(name, mode, stats):
             ours.state[p].update(state_keys[id(p)])
     for step in (4, 5, 6):
         step_all((ours, twin), step)
-        set_grads(theirs, step)
-        if stats:
-            torch.nn.utils.clip_grad_norm_(
-                [p for g in theirs.param_groups for p in g["params"]], 0.5
-            )
-        theirs.step()
+        _torch_step(theirs, step, clip=0.5 if stats else None)
         assert_bitwise_twins(ours, twin, f"{name}: step {step} after the rejected one")
         assert_matches_torch(ours, theirs, VS_TORCH, f"{name}: step {step}")
 

@@ -842,8 +842,8 @@ class Call:
         )
     )
 
-    def run(self) -> None:
-        ops.adamw_scaled_(
+    def run(self, op=ops.adamw_scaled_) -> None:
+        op(
             self.params,
             self.grads,
             self.exp_avg,
@@ -1096,6 +1096,37 @@ def test_bad_inputs_rejected_and_nothing_changed(breaker, message):
     assert str(info.value).startswith("ruda_torch.adamw_scaled_: "), str(info.value)
     for i, (a, b) in enumerate(zip(saved, tensors, strict=True)):
         assert same_bits(a, b), f"tensor {i} changed although the call was rejected"
+
+
+@pytest.mark.parametrize(
+    "breaker,message", [c[1:] for c in BAD_INPUTS], ids=[c[0] for c in BAD_INPUTS]
+)
+def test_check_adamw_scaled_raises_what_adamw_scaled_raises(breaker, message):
+    """The validation the optimizer runs before a step's first kernel call (Note [Atomic
+    step]): the same error for the same arguments, and nothing written."""
+    call = Call()
+    breaker(call)
+    tensors = call.tensors()
+    saved = [t.clone() for t in tensors]
+    with pytest.raises(RuntimeError, match=message) as checked:
+        call.run(ops.check_adamw_scaled)
+    with pytest.raises(RuntimeError) as ran:
+        call.run()
+    # The same message; the sparse rejection kernel names the operator it guards.
+    assert str(checked.value).split(": ", 1)[1] == str(ran.value).split(": ", 1)[1]
+    for i, (a, b) in enumerate(zip(saved, tensors, strict=True)):
+        assert same_bits(a, b), f"tensor {i} changed although the call was rejected"
+
+
+def test_check_adamw_scaled_accepts_good_arguments_and_writes_nothing():
+    call = Call()
+    tensors = call.tensors()
+    saved = [t.clone() for t in tensors]
+    call.run(ops.check_adamw_scaled)
+    for a, b in zip(saved, tensors, strict=True):
+        assert same_bits(a, b)
+    call.run()
+    assert not all(same_bits(a, b) for a, b in zip(saved, tensors, strict=True))
 
 
 def test_meta_tensor_among_cpu_arguments_is_an_error():

@@ -23,19 +23,6 @@ void adamw_scaled_cpu(at::TensorList params, at::TensorList grads, const at::Ten
   adamw_cpu(prep.launch);
 }
 
-// check_adamw_scaled: the validation of adamw_scaled_ without the kernel.
-void check_adamw_scaled_cpu(
-    at::TensorList params, at::TensorList grads, const at::Tensor& exp_avg,
-    const at::Tensor& exp_avg_sq, const std::optional<at::Tensor>& max_exp_avg_sq,
-    const at::Tensor& steps, const at::Tensor& slots, const std::optional<at::Tensor>& grad_scale,
-    const std::optional<at::Tensor>& found_inf, const std::optional<at::Tensor>& stats,
-    const std::optional<at::Tensor>& clip_coef, double lr, double beta1, double beta2, double eps,
-    double weight_decay, double max_grad_norm, bool maximize) {
-  prepare_adamw(params, grads, exp_avg, exp_avg_sq, max_exp_avg_sq, steps, slots, grad_scale,
-                found_inf, stats, clip_coef, lr, beta1, beta2, eps, weight_decay, max_grad_norm,
-                maximize, kCpuTile);
-}
-
 void analyze_gradient_cpu_op(at::TensorList grads, const std::optional<at::Tensor>& grad_scale,
                              const at::Tensor& rows) {
   PreparedStats prep = prepare_analyze(grads, grad_scale, rows);
@@ -58,7 +45,6 @@ void merge_gradient_stats_chunks_cpu_op(const at::Tensor& reports, const at::Ten
 
 TORCH_LIBRARY_IMPL(ruda_torch, CPU, m) {
   m.impl("adamw_scaled_", &ruda::adamw_scaled_cpu);
-  m.impl("check_adamw_scaled", &ruda::check_adamw_scaled_cpu);
   m.impl("analyze_gradient", &ruda::analyze_gradient_cpu_op);
   m.impl("merge_gradient_stats", &ruda::merge_gradient_stats_cpu_op);
   m.impl("merge_gradient_stats_chunks", &ruda::merge_gradient_stats_chunks_cpu_op);
