@@ -3,7 +3,7 @@
 // build facts (ruda_torch/_build.py) and one function, `unchanged`, the per-step test of
 // Note [Fused state coherence] in ruda_torch/_fused.py.
 //
-// `unchanged` compares object identities and tensor shapes only, never values: it is a
+// `unchanged` compares object identities, shapes and sharing counts, never values: it is a
 // loop over pointers, so that checking 20,000 parameters and their state entries costs a
 // fraction of a millisecond where the same loop in Python would cost several.
 #include <torch/csrc/autograd/python_variable.h>
@@ -41,16 +41,66 @@ bool same_items(PyObject* actual, PyObject* expected, Py_ssize_t* at) {
   return true;
 }
 
-// unchanged(containers, expected, tensors, shapes) -> bool
+// A contiguous CPU int64 tensor's data (null when empty) and size; false with a Python
+// error set for anything else.
+bool int64_data(PyObject* obj, const char* name, const int64_t** data, int64_t* numel) {
+  if (THPVariable_Check(obj)) {
+    const at::Tensor& t = THPVariable_Unpack(obj);
+    if (t.scalar_type() == at::kLong && t.is_cpu() && t.is_contiguous()) {
+      *numel = t.numel();
+      *data = *numel > 0 ? t.const_data_ptr<int64_t>() : nullptr;
+      return true;
+    }
+  }
+  PyErr_Format(PyExc_TypeError, "unchanged: %s must be a contiguous CPU int64 tensor", name);
+  return false;
+}
+
+// How many tensors share the memory of `t` (its storage's reference count), or -1.
+int64_t sharers(PyObject* t) {
+  if (!THPVariable_Check(t)) return -1;
+  const at::Tensor& tensor = THPVariable_Unpack(t);
+  return tensor.has_storage() ? static_cast<int64_t>(tensor.storage().use_count()) : -1;
+}
+
+// use_counts(buffers) -> list[int]: sharers() of each buffer, for unchanged() to compare.
+PyObject* use_counts(PyObject*, PyObject* buffers) {
+  if (!PyList_Check(buffers)) {
+    PyErr_SetString(PyExc_TypeError, "use_counts: buffers must be a list");
+    return nullptr;
+  }
+  const Py_ssize_t n = PyList_GET_SIZE(buffers);
+  PyObject* out = PyList_New(n);
+  if (out == nullptr) return nullptr;
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    PyList_SET_ITEM(out, i, PyLong_FromLongLong(sharers(PyList_GET_ITEM(buffers, i))));
+  }
+  return out;
+}
+
+// unchanged(containers, expected, tensors, shapes, buffers, counts) -> bool
 //   containers: dicts and lists; expected: their items, concatenated (see same_items);
 //   tensors: tensors whose shapes must not change; shapes: a CPU int64 tensor holding,
-//   for each of them in order, its number of dimensions and then its sizes.
+//   for each of them in order, its number of dimensions and then its sizes;
+//   buffers: tensors whose memory must be shared by as many tensors as before (counts, a
+//   CPU int64 tensor from use_counts). A view of a bucket given other memory
+//   (`view.data = ...`, `view.set_(...)`: the object stays, the memory moves) lowers its
+//   buffer's count: one comparison per buffer instead of one per view.
 PyObject* unchanged(PyObject*, PyObject* args) {
-  PyObject *containers, *expected, *tensors, *shapes_obj;
-  if (!PyArg_ParseTuple(args, "O!O!O!O", &PyList_Type, &containers, &PyList_Type, &expected,
-                        &PyList_Type, &tensors, &shapes_obj) ||
-      !THPVariable_Check(shapes_obj)) {
-    if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "unchanged: shapes must be a tensor");
+  PyObject *containers, *expected, *tensors, *shapes_obj, *buffers, *counts_obj;
+  if (!PyArg_ParseTuple(args, "O!O!O!OO!O", &PyList_Type, &containers, &PyList_Type, &expected,
+                        &PyList_Type, &tensors, &shapes_obj, &PyList_Type, &buffers,
+                        &counts_obj)) {
+    return nullptr;
+  }
+  int64_t n_shapes = 0, n_counts = 0;
+  const int64_t *want = nullptr, *count = nullptr;
+  if (!int64_data(shapes_obj, "shapes", &want, &n_shapes) ||
+      !int64_data(counts_obj, "counts", &count, &n_counts)) {
+    return nullptr;
+  }
+  if (n_counts != PyList_GET_SIZE(buffers)) {
+    PyErr_SetString(PyExc_ValueError, "unchanged: buffers and counts differ in length");
     return nullptr;
   }
   Py_ssize_t at = 0;
@@ -59,13 +109,7 @@ PyObject* unchanged(PyObject*, PyObject* args) {
     if (!same_items(PyList_GET_ITEM(containers, c), expected, &at)) Py_RETURN_FALSE;
   }
   if (at != PyList_GET_SIZE(expected)) Py_RETURN_FALSE;
-  const at::Tensor& shapes = THPVariable_Unpack(shapes_obj);
-  if (shapes.scalar_type() != at::kLong || !shapes.is_cpu() || !shapes.is_contiguous()) {
-    PyErr_SetString(PyExc_TypeError, "unchanged: shapes must be a contiguous CPU int64 tensor");
-    return nullptr;
-  }
-  const int64_t* want = shapes.data_ptr<int64_t>();
-  const int64_t* const want_end = want + shapes.numel();
+  const int64_t* const want_end = want + n_shapes;
   const Py_ssize_t m = PyList_GET_SIZE(tensors);
   for (Py_ssize_t j = 0; j < m; ++j) {
     PyObject* t = PyList_GET_ITEM(tensors, j);
@@ -80,12 +124,17 @@ PyObject* unchanged(PyObject*, PyObject* args) {
     want += dim;
   }
   if (want != want_end) Py_RETURN_FALSE;
+  for (int64_t k = 0; k < n_counts; ++k) {
+    if (sharers(PyList_GET_ITEM(buffers, k)) != count[k]) Py_RETURN_FALSE;
+  }
   Py_RETURN_TRUE;
 }
 
 PyMethodDef kMethods[] = {
     {"unchanged", unchanged, METH_VARARGS,
-     "unchanged(containers, contents, tensors, shapes) -> bool (Note [Fused state coherence])"},
+     "unchanged(containers, expected, tensors, shapes, buffers, counts) -> bool "
+     "(Note [Fused state coherence])"},
+    {"use_counts", use_counts, METH_O, "use_counts(buffers) -> list[int]"},
     {nullptr, nullptr, 0, nullptr}};
 
 }  // namespace

@@ -52,8 +52,9 @@ __all__ = ["AdamW", "GradientReport"]
 _TORCH_GROUP_KEYS = dict(
     foreach=None, capturable=False, differentiable=False, fused=None, decoupled_weight_decay=True
 )
-# Optimizer-wide options that change the math: pickled with the optimizer.
-_OPTIONS = dict(hierarchical_stats=False, max_grad_norm=None, process_group=None)
+# Optimizer-wide options that change the math, and the last report: pickled with the
+# optimizer (torch's Optimizer pickles only defaults, state and param_groups).
+_OPTIONS = dict(hierarchical_stats=False, max_grad_norm=None, process_group=None, last_report=None)
 
 
 @dataclass
@@ -184,7 +185,6 @@ class AdamW(Optimizer):
             group["decoupled_weight_decay"] = True  # as torch.optim.AdamW: always decoupled
         for k, v in _OPTIONS.items():
             self.__dict__.setdefault(k, v)  # pickles older than these options
-        self.__dict__.setdefault("last_report", None)
         self.__dict__.setdefault("_plan", None)
 
     def __deepcopy__(self, memo):

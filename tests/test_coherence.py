@@ -154,6 +154,15 @@ def _inplace_writes(opt):
     opt.state[_p(opt, 0, 2)]["step"].fill_(11.0)
 
 
+def _move_state_through_data(opt):
+    """The popular `optimizer_to(device)` recipe: `t.data = t.data.to(...)` on every state
+    tensor (here a scaled copy, so that a state left behind shows)."""
+    for st in opt.state.values():
+        for k, v in st.items():
+            if isinstance(v, torch.Tensor):
+                v.data = v.data * (1.25 if k != "step" else 1.0) + (1.0 if k == "step" else 0.0)
+
+
 def _replace_entry(opt):
     p = _p(opt, 1, 2)
     opt.state[p] = {
@@ -261,6 +270,7 @@ MUTATIONS = {
     "replace exp_avg_sq": _replace_second_moment,
     "replace step": _replace_step,
     "in-place writes": _inplace_writes,
+    "state tensors' .data moved": _move_state_through_data,
     "replace entry": _replace_entry,
     "swap entries": _swap_entries,
     "ZeRO-style load": _zero_style_load,
