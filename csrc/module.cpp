@@ -89,8 +89,7 @@ PyObject* use_counts(PyObject*, PyObject* buffers) {
 PyObject* unchanged(PyObject*, PyObject* args) {
   PyObject *containers, *expected, *tensors, *shapes_obj, *buffers, *counts_obj;
   if (!PyArg_ParseTuple(args, "O!O!O!OO!O", &PyList_Type, &containers, &PyList_Type, &expected,
-                        &PyList_Type, &tensors, &shapes_obj, &PyList_Type, &buffers,
-                        &counts_obj)) {
+                        &PyList_Type, &tensors, &shapes_obj, &PyList_Type, &buffers, &counts_obj)) {
     return nullptr;
   }
   int64_t n_shapes = 0, n_counts = 0;
