@@ -12,10 +12,19 @@
 #pragma once
 
 #include <cstdint>
+#include <cstring>
 
 #include "ruda_params.h"
 
 namespace ruda {
+
+// Note [Canonical NaN]
+// A NaN has many bit patterns, and the backends make different ones: CUDA arithmetic
+// returns 0x7FFFFFFF, x86 returns 0xFFC00000 for an invalid operation and keeps the
+// payload of a NaN operand, and a maximum that selects an operand keeps its bits. So that
+// CPU and CUDA write the same bits in every case, every value the update stores goes
+// through canonical(): NaN becomes 0x7FFFFFFF (CUDA's own), anything else is unchanged.
+constexpr uint32_t kCanonicalNaNBits = 0x7FFFFFFFu;
 
 // Scalar operations for V = float; the CPU file supplies the Vectorized<float> twin.
 struct ScalarOps {
@@ -26,6 +35,17 @@ struct ScalarOps {
     if (b != b) return b;
     return a > b ? a : b;
   }
+  RUDA_HOST_DEVICE static inline float canonical_nan() {
+#if defined(__CUDA_ARCH__)
+    return __int_as_float(static_cast<int>(kCanonicalNaNBits));
+#else
+    float nan;
+    const uint32_t bits = kCanonicalNaNBits;
+    std::memcpy(&nan, &bits, sizeof(nan));
+    return nan;
+#endif
+  }
+  RUDA_HOST_DEVICE static inline float canonical(float x) { return x == x ? x : canonical_nan(); }
 };
 
 // beta^e by repeated squaring in FP64 (Note [Bias correction]).
@@ -138,7 +158,10 @@ RUDA_HOST_DEVICE inline void adamw_element(V& p, V stored_grad, V& m, V& v, V& v
     v_used = v_max;
   }
   V denom = Ops::sqrt(v_used / c.bc2) + c.eps;
-  p = p * c.decay - (c.lr * (m / c.bc1)) / denom;
+  p = Ops::canonical(p * c.decay - (c.lr * (m / c.bc1)) / denom);  // Note [Canonical NaN]
+  m = Ops::canonical(m);
+  v = Ops::canonical(v);
+  if (AMSGRAD) v_max = Ops::canonical(v_max);
 }
 
 }  // namespace ruda

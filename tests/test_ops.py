@@ -1639,3 +1639,41 @@ def test_adamw_step_on_a_device_without_kernels():
     master = torch.empty(4, device="meta")
     with pytest.raises(RuntimeError, match=r"ruda_torch.adamw_step got tensors on meta"):
         ruda_torch.adamw_step(master, torch.empty(4, device="meta"), None)
+
+
+# --------------------------------------------------------------------------- NaN bits
+
+_NAN_PATTERNS = [0x7FC00001, 0xFFC00000, 0x7FA00000, 0xFFFFFFFF]  # payloads, sign, signaling
+
+
+def _nan(bits: int) -> float:
+    return float(np.array([bits], dtype=np.uint32).view(np.float32)[0])
+
+
+@pytest.mark.parametrize("numel", [97, 1025], ids=["97", "1025"])
+def test_every_nan_the_update_writes_is_canonical(numel):
+    """Note [Canonical NaN]: NaN gradients (with payloads, either sign, signaling), an
+    inf that makes 0 * inf, and a NaN already in the AMSGrad maximum: every NaN written
+    to parameters and moments has CUDA's bits 0x7FFFFFFF, in the vector loop and in the
+    leftover elements, so the CPU and CUDA kernels agree bit for bit here too."""
+    gen = torch.Generator().manual_seed(numel)
+    p = torch.randn(numel, generator=gen)
+    g = torch.randn(numel, generator=gen)
+    m, v, vm = torch.zeros(numel + 15), torch.zeros(numel + 15), torch.zeros(numel + 15)
+    positions = [0, 9, numel - 1, numel - 3]  # vector lanes and the leftover loop
+    for k, bits in zip(positions, _NAN_PATTERNS, strict=True):
+        g[k] = _nan(bits)
+    g[5] = math.inf  # m finite * 0.9 + inf: inf; v: inf; p: inf / inf = NaN
+    vm[12] = _nan(0x7FC0BEEF)
+    steps = torch.zeros(1)
+    ops.adamw_scaled_(
+        [p], [g], m, v, vm, steps, torch.tensor([[0, 0]]),
+        lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0,
+    )  # fmt: skip
+    seen = 0
+    for name, t in (("param", p), ("exp_avg", m), ("exp_avg_sq", v), ("max_exp_avg_sq", vm)):
+        bits = t.view(torch.int32)
+        nan = torch.isnan(t)
+        seen += int(nan.sum())
+        assert (bits[nan] == 0x7FFFFFFF).all(), f"{name}: {bits[nan].tolist()}"
+    assert seen >= 4 * len(positions)

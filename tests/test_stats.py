@@ -133,7 +133,8 @@ def emulate_analyze(grad: torch.Tensor, grad_scale: float | None) -> np.ndarray:
     run side by side (axis 0); a short last row runs alone with its lanes stopping where
     the data does (no padding: the kernels' padding claim is checked, not assumed)."""
     flat = grad.detach().reshape(-1).to(torch.float32).numpy()  # exact for fp16/bf16
-    inv = F32(1.0) / F32(grad_scale) if grad_scale is not None else F32(1.0)
+    with np.errstate(all="ignore"):  # a scale of 0 or NaN is tested too
+        inv = F32(1.0) / F32(grad_scale) if grad_scale is not None else F32(1.0)
     full = flat.size // CHUNK
     out = []
     with np.errstate(all="ignore"):
@@ -375,6 +376,21 @@ def test_finite_values_whose_squares_overflow(dtype):
         assert math.isfinite(rows[2, 0].item())
         assert rows[:, 2].eq(0).all(), "a finite value was counted as non-finite"
         assert torch.isfinite(rows[:, 1]).all()
+
+
+@pytest.mark.parametrize("numel", [97, 1025, 65537])
+@pytest.mark.parametrize("grad_scale", [0.0, -0.0, math.nan], ids=["zero", "minus-zero", "nan"])
+def test_unusable_scale_counts_only_real_elements(grad_scale, numel):
+    """A scale of 0 or NaN makes every unscaled element non-finite; the count is the
+    number of real elements, in full and short rows: the CPU kernel pads a short row
+    after scaling (the padding never counts), as the CUDA kernel's lanes stop early."""
+    gen = torch.Generator().manual_seed(numel)
+    g = random_grad(gen, numel, torch.float32, 1.0)
+    g[3] = 0.0  # 0 / 0 is NaN too
+    rows = run_analyze([g], grad_scale)
+    assert_bitwise(rows, emulate_analyze(g, grad_scale), "rows with an unusable scale")
+    assert rows[:, 2].sum().item() == numel
+    assert (rows[:, :2] == 0).all()
 
 
 # --------------------------------------------------------------------------- merges

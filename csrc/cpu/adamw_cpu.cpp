@@ -18,6 +18,10 @@ using cpu::Vec;
 struct VecOps {
   static inline Vec sqrt(const Vec& x) { return x.sqrt(); }
   static inline Vec max(const Vec& a, const Vec& b) { return at::vec::maximum(a, b); }
+  // Note [Canonical NaN]: lanes where x != x get 0x7FFFFFFF.
+  static inline Vec canonical(const Vec& x) {
+    return Vec::blendv(x, Vec(ScalarOps::canonical_nan()), x != x);
+  }
 };
 
 StepCoefs<Vec> broadcast(const StepCoefs<float>& c) {

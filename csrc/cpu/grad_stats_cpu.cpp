@@ -45,12 +45,17 @@ StatsRow row_tree(Vec* sum, Vec* max, Vec* cnt) {
 // W consecutive unscaled elements starting at k, zero past `count`. A padding zero adds
 // +0 to a sum of squares, cannot raise a maximum of absolute values and is finite, so
 // padded lanes give the same bits as lanes that stop early (the CUDA kernel's loop).
+// The padding is added after scaling: 0 * inv_scale is NaN for an infinite inverse scale
+// (grad_scale 0) or a NaN one, and would count padding as non-finite elements where the
+// CUDA kernel counts only real ones.
 template <typename T>
 inline Vec load_unscaled(const T* g, int64_t k, int64_t count, const Vec& inv_scale) {
   if (k + W <= count) return cpu::load_fp32<T>(g + k) * inv_scale;
   alignas(32) float tail[W] = {};
-  for (int64_t i = k; i < count; ++i) tail[i - k] = static_cast<float>(g[i]);
-  return Vec::loadu(tail) * inv_scale;
+  alignas(32) float scale[W];
+  inv_scale.store(scale);
+  for (int64_t i = k; i < count; ++i) tail[i - k] = static_cast<float>(g[i]) * scale[i - k];
+  return Vec::loadu(tail);
 }
 
 // One analyze row of `count` (<= kStatsChunk) elements, Note [Canonical reduction order]:
