@@ -13,6 +13,17 @@ from .distributed import globalize_report, globalize_sum
 from .stats_plan import StatsPlan
 
 
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``t`` on ``device``, ready to be read there by the next operation.
+
+    Non-blocking only towards a CUDA device, where the copy is ordered on the stream
+    before the kernels that read it. Towards the CPU a non-blocking copy returns before
+    the data has arrived, and the CPU kernels (and the generic path) would read it at
+    once: that copy waits (the one host sync of an optimizer with both CPU and CUDA
+    buckets, which cannot decide a CPU step without the CUDA value)."""
+    return t.to(device, non_blocking=device.type == "cuda")
+
+
 class PerDevice:
     """Copies of small control tensors on each device that needs them, made once a step."""
 
@@ -26,7 +37,7 @@ class PerDevice:
             return t.reshape(-1) if t.dim() != 1 else t
         key = (id(t), device)
         if key not in self._cache:
-            self._cache[key] = t.to(device, non_blocking=True).reshape(-1)
+            self._cache[key] = to_device(t, device).reshape(-1)
         return self._cache[key]
 
 
@@ -73,7 +84,7 @@ def gradient_report(calls, buckets, grad_scale, per_device: PerDevice) -> torch.
         return partial[0]
     first = partial[0].device
     final = torch.empty(3, dtype=torch.float32, device=first)
-    gathered = torch.stack([r.to(first, non_blocking=True) for r in partial])
+    gathered = torch.stack([to_device(r, first) for r in partial])
     ops.merge_gradient_stats_chunks(gathered, final)
     return final
 

@@ -416,3 +416,45 @@ def test_merge_gradient_stats_chunks_cuda_matches_cpu_bitwise(n_reports):
 def test_cuda_is_a_compiled_backend():
     # A GPU is present: the CUDA kernels must have been built (no silent CPU fallback).
     assert "cuda" in ruda_torch.compiled_backends()
+
+
+# ------------------------------------------------------------------ mixed CPU/CUDA buckets
+
+
+@pytest.mark.parametrize(
+    "inject", [None, "cuda", "cpu"], ids=["finite", "inf-on-cuda", "inf-on-cpu"]
+)
+def test_cpu_and_cuda_buckets_share_one_decision(inject):
+    """One optimizer with a CUDA group and a CPU group (partial offload): the CPU bucket
+    reads the report and GradScaler's found_inf, made on CUDA, only after they have
+    arrived (ruda_torch._stats.to_device). A non-finite gradient on either device skips
+    both buckets, and every step equals the all-CPU run bit for bit (max_grad_norm is
+    far above the norm, so the clip coefficient is exactly 1 whatever order the two
+    devices' reports are folded in)."""
+    gen = torch.Generator().manual_seed(7)
+    shapes = [(97,), (33, 5), (1025,)]
+    base = [torch.randn(s, generator=gen) for s in shapes]
+    grads = [torch.randn(s, generator=gen) for s in shapes]
+
+    def run(devices):
+        params = [torch.nn.Parameter(b.clone().to(d)) for b, d in zip(base, devices, strict=True)]
+        groups = [{"params": [p]} for p in params]
+        opt = ruda_torch.AdamW(
+            groups, lr=1e-2, fused_step=True, hierarchical_stats=True, max_grad_norm=1e6
+        )
+        for step in range(3):
+            for p, g in zip(params, grads, strict=True):
+                p.grad = (g * (step + 1)).to(p.device)
+            if inject is not None and step == 1:
+                target = next(p for p in params if p.device.type == inject)
+                target.grad.view(-1)[0] = math.inf
+            opt.step()
+        return [p.detach().cpu() for p in params], opt
+
+    mixed, opt = run([CUDA, "cpu", CUDA])
+    reference, _ = run(["cpu", "cpu", "cpu"])
+    for a, b in zip(mixed, reference, strict=True):
+        assert same_bits(a, b), "a mixed CPU/CUDA step differs from the all-CPU one"
+    expected_steps = 2.0 if inject is not None else 3.0
+    for group in opt.param_groups:
+        assert opt.state[group["params"][0]]["step"].item() == expected_steps

@@ -477,3 +477,23 @@ def test_materialization_step_with_stats(amsgrad):
         assert_bitwise(p.detach(), p0, "parameter")
         assert ours.state[p]["step"].item() == 1
         assert len(ours.state[p]) == (4 if amsgrad else 3)
+
+
+def test_control_copies_wait_when_they_go_to_the_cpu(monkeypatch):
+    """The rule behind mixed CPU/CUDA optimizers (ruda_torch._stats.to_device): a
+    control value copied towards the CPU is copied blocking, since the CPU kernels read
+    it at once; towards CUDA the copy is non-blocking (ordered on the stream)."""
+    from ruda_torch import _stats
+
+    seen = []
+
+    def spy(self, device, non_blocking=False):
+        seen.append((torch.device(device).type, non_blocking))
+        return torch.ones(1)
+
+    monkeypatch.setattr(torch.Tensor, "to", spy)
+    meta = torch.empty(1, device="meta")
+    _stats.to_device(meta, torch.device("cpu"))
+    _stats.to_device(meta, torch.device("cuda"))
+    _stats.PerDevice().get(meta, torch.device("cpu"))
+    assert seen == [("cpu", False), ("cuda", True), ("cpu", False)]
