@@ -92,6 +92,18 @@ def cpu_has_avx2():
     return all(re.search(rf"\b{x}\b", flags) for x in ("avx2", "fma", "f16c"))
 
 
+# Note [No FMA contraction] (below); also read by tests/test_cuda_ptx.py, which compiles
+# the update kernel to PTX with them.
+NVCC_FLAGS = (
+    "-O3",
+    "--fmad=false",
+    "-prec-div=true",
+    "-prec-sqrt=true",
+    "-ftz=false",
+    "-DCPU_CAPABILITY=DEFAULT",
+)
+
+
 def main():
     import torch
 
@@ -141,14 +153,7 @@ def main():
         cxx += ["-mavx2", "-mfma", "-mf16c", "-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2"]
     else:
         cxx += ["-DCPU_CAPABILITY=DEFAULT"]
-    nvcc = [
-        "-O3",
-        "--fmad=false",
-        "-prec-div=true",
-        "-prec-sqrt=true",
-        "-ftz=false",
-        "-DCPU_CAPABILITY=DEFAULT",
-    ]
+    nvcc = list(NVCC_FLAGS)
     sources = sorted(glob.glob("csrc/*.cpp")) + sorted(glob.glob("csrc/cpu/*.cpp"))
     kwargs = dict(
         name="ruda_torch._C",

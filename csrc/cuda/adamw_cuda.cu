@@ -91,13 +91,10 @@ __global__ void __launch_bounds__(kThreads) adamw_kernel(AdamWLaunch L) {
 
 template <typename T>
 void launch(const AdamWLaunch& L, cudaStream_t stream) {
-  const int64_t grid = std::min<int64_t>(L.n_units, max_resident_blocks(kThreads));
-  if (grid == 0) return;
-  if (L.amsgrad) {
-    adamw_kernel<T, true><<<static_cast<unsigned>(grid), kThreads, 0, stream>>>(L);
-  } else {
-    adamw_kernel<T, false><<<static_cast<unsigned>(grid), kThreads, 0, stream>>>(L);
-  }
+  if (L.n_units == 0) return;
+  const auto kernel = L.amsgrad ? adamw_kernel<T, true> : adamw_kernel<T, false>;
+  const int64_t grid = std::min<int64_t>(L.n_units, max_resident_blocks(kernel, kThreads));
+  kernel<<<static_cast<unsigned>(grid), kThreads, 0, stream>>>(L);
   RUDA_CUDA_CHECK_LAUNCH();
 }
 

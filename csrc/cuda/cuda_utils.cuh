@@ -7,7 +7,19 @@
 
 #include <c10/util/Exception.h>
 
+#include <algorithm>
 #include <cstdint>
+#include <map>
+#include <mutex>
+#include <type_traits>
+#include <utility>
+
+#define RUDA_CUDA_CHECK(expr)                               \
+  do {                                                      \
+    cudaError_t err_ = (expr);                              \
+    TORCH_CHECK(err_ == cudaSuccess, "ruda_torch: ", #expr, \
+                " failed: ", cudaGetErrorString(err_));     \
+  } while (0)
 
 #define RUDA_CUDA_CHECK_LAUNCH()                                                      \
   do {                                                                                \
@@ -29,34 +41,69 @@ __device__ inline bool is_aligned(const T* p) {
 }
 
 // N consecutive elements converted to FP32, with one wide load (caller checked alignment).
+// Four FP32 values go through the load intrinsic: like a plain float4 store, a plain
+// aligned struct load is not always kept whole (ld.global.v4.f32) by the compiler.
 template <int N, typename T>
 __device__ inline void load_vec(const T* p, float* out) {
-  struct alignas(N * sizeof(T)) Pack {
-    T v[N];
-  };
-  const Pack pack = *reinterpret_cast<const Pack*>(p);
+  if constexpr (N == 4 && std::is_same_v<T, float>) {
+    const float4 v = __ldca(reinterpret_cast<const float4*>(p));
+    out[0] = v.x;
+    out[1] = v.y;
+    out[2] = v.z;
+    out[3] = v.w;
+  } else {
+    struct alignas(N * sizeof(T)) Pack {
+      T v[N];
+    };
+    const Pack pack = *reinterpret_cast<const Pack*>(p);
 #pragma unroll
-  for (int j = 0; j < N; ++j) out[j] = to_float(pack.v[j]);
+    for (int j = 0; j < N; ++j) out[j] = to_float(pack.v[j]);
+  }
 }
 
+// N consecutive FP32 values with one wide store (caller checked alignment). For N = 4 a
+// plain float4 assignment is split into four 32-bit stores in the update kernel; the store
+// intrinsic gives one st.global.wb.v4.f32 (write-back, the default cache policy: the
+// parameters and moments are read again at the next step). tests/test_cuda_ptx.py checks
+// the PTX.
 template <int N>
 __device__ inline void store_vec(float* p, const float* in) {
-  struct alignas(N * sizeof(float)) Pack {
-    float v[N];
-  };
-  Pack pack;
+  if constexpr (N == 4) {
+    __stwb(reinterpret_cast<float4*>(p), make_float4(in[0], in[1], in[2], in[3]));
+  } else {
+    struct alignas(N * sizeof(float)) Pack {
+      float v[N];
+    };
+    Pack pack;
 #pragma unroll
-  for (int j = 0; j < N; ++j) pack.v[j] = in[j];
-  *reinterpret_cast<Pack*>(p) = pack;
+    for (int j = 0; j < N; ++j) pack.v[j] = in[j];
+    *reinterpret_cast<Pack*>(p) = pack;
+  }
 }
 
-// Enough blocks to fill the current device (SM count x resident blocks per SM); the
-// kernels loop over their work units, so a larger grid would only add scheduling.
-inline int64_t max_resident_blocks(int threads_per_block) {
-  int device = 0, sms = 0;
-  cudaGetDevice(&device);
-  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
-  return static_cast<int64_t>(sms > 0 ? sms : 1) * (2048 / threads_per_block);
+// Enough blocks of `kernel` to fill the current device in one wave: SM count x the blocks
+// that fit on one SM at `threads_per_block`, as the kernel's registers and shared memory
+// allow (cudaOccupancyMaxActiveBlocksPerMultiprocessor; 2048 / threads would assume no
+// register limit, and the update kernels' 47-48 registers fit 5 blocks of 256, not 8).
+// The kernels loop over their work units, so a larger grid would only add a ragged
+// tail. Cached per (kernel, device): the query is not free and the answer never changes.
+template <typename Kernel>
+inline int64_t max_resident_blocks(Kernel kernel, int threads_per_block) {
+  int device = 0;
+  RUDA_CUDA_CHECK(cudaGetDevice(&device));
+  static std::mutex mutex;
+  static std::map<std::pair<const void*, int>, int64_t> cache;
+  const auto key = std::make_pair(reinterpret_cast<const void*>(kernel), device);
+  const std::lock_guard<std::mutex> lock(mutex);
+  const auto hit = cache.find(key);
+  if (hit != cache.end()) return hit->second;
+  int sms = 0, per_sm = 0;
+  RUDA_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  RUDA_CUDA_CHECK(
+      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads_per_block, 0));
+  const int64_t blocks = static_cast<int64_t>(std::max(sms, 1)) * std::max(per_sm, 1);
+  cache.emplace(key, blocks);
+  return blocks;
 }
 
 }  // namespace ruda

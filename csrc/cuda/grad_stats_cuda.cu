@@ -107,17 +107,20 @@ __global__ void merge_chunks_kernel(const float* reports, int64_t n, float* out)
 void analyze_gradient_cuda(const StatsLaunch& L, void* stream_ptr) {
   auto stream = static_cast<cudaStream_t>(stream_ptr);
   const int64_t blocks = (L.n_rows + kRowsPerBlock - 1) / kRowsPerBlock;
-  const auto grid =
-      static_cast<unsigned>(std::min<int64_t>(blocks, max_resident_blocks(kAnalyzeThreads)));
+  auto run = [&](auto kernel) {
+    const auto grid = static_cast<unsigned>(
+        std::min<int64_t>(blocks, max_resident_blocks(kernel, kAnalyzeThreads)));
+    kernel<<<grid, kAnalyzeThreads, 0, stream>>>(L);
+  };
   switch (L.grad_dtype) {
     case GradDType::kFloat:
-      analyze_kernel<float><<<grid, kAnalyzeThreads, 0, stream>>>(L);
+      run(analyze_kernel<float>);
       break;
     case GradDType::kHalf:
-      analyze_kernel<__half><<<grid, kAnalyzeThreads, 0, stream>>>(L);
+      run(analyze_kernel<__half>);
       break;
     case GradDType::kBFloat16:
-      analyze_kernel<__nv_bfloat16><<<grid, kAnalyzeThreads, 0, stream>>>(L);
+      run(analyze_kernel<__nv_bfloat16>);
       break;
   }
   RUDA_CUDA_CHECK_LAUNCH();
@@ -125,7 +128,7 @@ void analyze_gradient_cuda(const StatsLaunch& L, void* stream_ptr) {
 
 void merge_gradient_stats_cuda(const float* rows, int64_t n_rows, float* out, void* stream_ptr) {
   const int64_t n_out = (n_rows + kMergeFanIn - 1) / kMergeFanIn;
-  const int64_t grid = std::min<int64_t>(n_out, max_resident_blocks(kMergeLanes));
+  const int64_t grid = std::min<int64_t>(n_out, max_resident_blocks(merge_kernel, kMergeLanes));
   merge_kernel<<<static_cast<unsigned>(grid), kMergeLanes, 0,
                  static_cast<cudaStream_t>(stream_ptr)>>>(rows, n_rows, out, n_out);
   RUDA_CUDA_CHECK_LAUNCH();
