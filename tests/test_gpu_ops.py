@@ -97,13 +97,19 @@ def test_adamw_cuda_matches_cpu_bitwise(cfg, numel, grad_dtype):
         assert_states_bitwise(on_cpu, on_cuda, f"step {k + 1}")
 
 
+@pytest.mark.parametrize("layout", ["aligned", "gapped"])
 @pytest.mark.parametrize("grad_dtype", GRAD_DTYPES, ids=DTYPE_IDS)
 @pytest.mark.parametrize("amsgrad", [False, True], ids=["adamw", "amsgrad"])
-def test_adamw_cuda_bucket_matches_cpu_bitwise(amsgrad, grad_dtype):
+def test_adamw_cuda_bucket_matches_cpu_bitwise(amsgrad, grad_dtype, layout):
+    """A bucket laid out as the optimizer lays it out (slices on 64-byte boundaries: the
+    kernel's 16-byte vector path) and one with 3-element gaps (unaligned slices: the
+    scalar path)."""
     cfg = Config("gpu_bucket", lr=1e-2, weight_decay=0.05, amsgrad=amsgrad, maximize=amsgrad)
-    gen = torch.Generator().manual_seed(seed_of("gpu_bucket", amsgrad, str(grad_dtype)))
+    gen = torch.Generator().manual_seed(seed_of("gpu_bucket", amsgrad, str(grad_dtype), layout))
     shapes = [(7, 13), (0,), (1,), (4096 * 3 + 5,), (65537,), (4095,), (33,)]
-    cpu = make_bucket(gen, shapes, amsgrad)
+    cpu = make_bucket(gen, shapes, amsgrad, align=16 if layout == "aligned" else None)
+    if layout == "aligned":
+        assert all(off % 16 == 0 for off in cpu.offsets)
     cuda = bucket_to(cpu, CUDA)
     active = [0, 1, 3, 4, 6]
     grads = [stored_grad(gen, cpu.params[i].numel(), grad_dtype, 3.0) for i in active]
@@ -369,15 +375,26 @@ def test_adamw_and_stats_beyond_int32_indexing():
 STATS_SIZES = [0, 1, 255, 4095, 4096, 4097, 3 * 4096 + 100, 1_000_003]
 
 
-@pytest.mark.parametrize("grad_scale", [None, 1024.0, 3.0], ids=["unscaled", "1024", "3"])
+@pytest.mark.parametrize(
+    "grad_scale", [None, 1024.0, 3.0, 2.0**-49], ids=["unscaled", "1024", "3", "2^-49"]
+)
 @pytest.mark.parametrize("dtype", GRAD_DTYPES, ids=DTYPE_IDS)
 def test_analyze_gradient_cuda_matches_cpu_bitwise(dtype, grad_scale):
     gen = torch.Generator().manual_seed(seed_of("gpu_stats", str(dtype), grad_scale))
     grads = [random_grad(gen, n, dtype, grad_scale or 1.0) for n in STATS_SIZES]
     grads[2][7] = float("nan")
     grads[5][4096] = float("-inf")  # in a full row: the CPU's finite form must give way
-    grads[6][5] = 2.0e19 if dtype != torch.float16 else 60000.0  # a square that overflows
+    # A finite element whose unscaled square overflows FP32 (2e19^2 > 3.4e38), stored
+    # times the scale; FP16 cannot store one unless the scale is tiny (60000 / 2^-49).
+    scale = grad_scale or 1.0
+    big = 2.0e19 * scale if dtype != torch.float16 else 60000.0
+    grads[6][5] = big
+    overflows = (float(grads[6][5]) / scale) ** 2 > 3.4028234663852886e38
+    assert overflows or (dtype == torch.float16 and scale >= 1.0)
     cpu_rows = run_analyze(grads, grad_scale)
+    if overflows:  # the row holding it: its sum is inf, nothing counted as non-finite
+        row = sum(ops.stats_rows_for(n) for n in STATS_SIZES[:6])
+        assert math.isinf(cpu_rows[row, 0].item()) and cpu_rows[row, 2].item() == 0
     cuda_grads = [g.to(CUDA) for g in grads]
     cuda_rows = run_analyze(cuda_grads, grad_scale)
     assert same_bits(cpu_rows, cuda_rows.cpu())
@@ -458,3 +475,62 @@ def test_cpu_and_cuda_buckets_share_one_decision(inject):
     expected_steps = 2.0 if inject is not None else 3.0
     for group in opt.param_groups:
         assert opt.state[group["params"][0]]["step"].item() == expected_steps
+
+
+def test_bucket_state_offsets_and_merges_beyond_int32():
+    """A bucket whose second tensor's state slice starts past 2**31 elements (64-bit
+    state_offset in the table and the kernels), and the statistics of the whole bucket
+    through the merge kernel at that size (over 2**19 rows, an intermediate level and the
+    final merge), against the CPU kernels."""
+    n0 = 2**31 + 5
+    off1 = -(-n0 // 16) * 16  # the optimizer's 64-byte aligned layout: > 2**31
+    n1 = 65537
+    total = off1 + -(-n1 // 16) * 16
+    needed = n0 * (4 + 2) + total * (4 + 4) + 2**30
+    free, _ = torch.cuda.mem_get_info()
+    if free < needed:
+        pytest.skip(f"needs {needed / 2**30:.1f} GiB of free GPU memory, {free / 2**30:.1f} free")
+    gen = torch.Generator(device=CUDA).manual_seed(3)
+    p0 = torch.empty(n0, device=CUDA).uniform_(-1.0, 1.0, generator=gen)
+    g0 = torch.empty(n0, device=CUDA, dtype=torch.bfloat16).normal_(0.0, 4.0, generator=gen)
+    p1 = torch.empty(n1, device=CUDA).uniform_(-1.0, 1.0, generator=gen)
+    g1 = torch.empty(n1, device=CUDA, dtype=torch.bfloat16).normal_(0.0, 4.0, generator=gen)
+    exp_avg = torch.empty(total, device=CUDA).normal_(0.0, 0.01, generator=gen)
+    exp_avg_sq = torch.empty(total, device=CUDA).uniform_(0.0, 1e-4, generator=gen)
+    steps = torch.tensor([4.0, 9.0], device=CUDA)
+    hyper = dict(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01)
+    # The second tensor's state as the CPU kernel will step it, alone.
+    cpu = [t.cpu() for t in (p1, g1, exp_avg[off1 : off1 + n1], exp_avg_sq[off1 : off1 + n1])]
+    ops.adamw_scaled_(
+        [p0, p1], [g0, g1], exp_avg, exp_avg_sq, None, steps,
+        torch.tensor([[0, 0], [off1, 1]]), grad_scale=torch.tensor([3.0], device=CUDA),
+        **hyper,
+    )  # fmt: skip
+    assert steps.tolist() == [5.0, 10.0]
+    p, g, m, v = cpu
+    ops.adamw_scaled_(
+        [p], [g], m, v, None, torch.tensor([9.0]), torch.zeros(1, 2, dtype=torch.int64),
+        grad_scale=torch.tensor([3.0]), **hyper,
+    )  # fmt: skip
+    for name, got, expected in (
+        ("param", p1, p),
+        ("exp_avg", exp_avg[off1 : off1 + n1], m),
+        ("exp_avg_sq", exp_avg_sq[off1 : off1 + n1], v),
+    ):
+        assert same_bits(got.cpu(), expected), f"{name} of the tensor past 2**31"
+    del p0, p1, exp_avg, exp_avg_sq
+    # The report of both gradients: analyze + two merge levels on each device.
+    reports = []
+    for grads in ([g0, g1], [g0.cpu(), g1.cpu()]):
+        device = grads[0].device
+        n_rows = sum(ops.stats_rows_for(t.numel()) for t in grads)
+        rows = torch.empty(n_rows, 3, device=device)
+        ops.analyze_gradient(grads, rows, torch.tensor([3.0], device=device))
+        plan = ruda_torch.StatsPlan(n_rows)
+        assert plan.levels == [-(-n_rows // 1024)]
+        out = torch.empty(3, device=device)
+        plan.reduce(rows, torch.empty(plan.scratch_elements, device=device), out)
+        reports.append(out.cpu())
+        del rows
+    assert same_bits(reports[0], reports[1]), f"report {reports[0]} vs {reports[1]}"
+    torch.cuda.empty_cache()

@@ -443,17 +443,23 @@ class Bucket:
         return [*self.params, *(b for b in bufs if b is not None)]
 
 
-def make_bucket(gen: torch.Generator, shapes: list[tuple], amsgrad: bool) -> Bucket:
-    """Slices in a shuffled order with 3-element gaps between them, step counters in a
-    shuffled order with unused counters, every buffer filled with random values."""
+def make_bucket(
+    gen: torch.Generator, shapes: list[tuple], amsgrad: bool, align: int | None = None
+) -> Bucket:
+    """Slices in a shuffled order with 3-element gaps between them (or, with ``align``,
+    each starting on a multiple of ``align`` elements, as the optimizer lays them out),
+    step counters in a shuffled order with unused counters, every buffer filled with
+    random values."""
     n = len(shapes)
     params = [torch.randn(s, generator=gen) for s in shapes]
     order = torch.randperm(n, generator=gen).tolist()
     offsets = [0] * n
-    cursor = 3
+    cursor = 3 if align is None else 0
     for i in order:
         offsets[i] = cursor
         cursor += params[i].numel() + 3
+        if align is not None:
+            cursor = -(-cursor // align) * align
     step_ids = torch.randperm(n + 2, generator=gen)[:n].tolist()
     exp_avg = random_values(gen, cursor) * 0.1
     exp_avg_sq = random_values(gen, cursor) ** 2 + 1e-12

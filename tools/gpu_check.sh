@@ -14,7 +14,8 @@
 #      what changed, and nothing is installed; the extension lands in ruda_torch/ and
 #      PYTHONPATH points at the repository) or `pip install --no-build-isolation
 #      --no-deps --no-index -e .` (BUILD_MODE=pip); timed
-#   3. tests: tools/run_adamw_regressions.py --suite cuda, i.e. `pytest tests -m gpu -q
+#   1b. preflight: numpy, pytest, setuptools, ninja and a real toolkit root, in seconds
+#   3. tests (before any benchmark): tools/run_adamw_regressions.py --suite cuda, i.e. `pytest tests -m gpu -q
 #      -ra`, with its JSON record (it fails when no gpu test passes)
 #   4. benchmarks (benchmarks/bench_adamw.py --device cuda):
 #      a. FP32 gradients, BENCH_ELEMENTS (default 2^29 = 536,870,912) in 200 tensors,
@@ -23,7 +24,8 @@
 #         20,000 x 512 many-small case
 #      b. the pipelines with torch.amp.GradScaler, BENCH_SMALL_ELEMENTS (2^28)
 #      c. BF16 gradients, ours vs the staged baseline, BENCH_SMALL_ELEMENTS
-#   5. a summary table of everything above
+#   5. a summary table of everything above (each benchmark's table is also printed as
+#      soon as it finishes; one skipped for lack of time is a warning, not a failure)
 #
 # Output: with $OUT set, logs and JSON go there (8 files at most: gpu_check.log,
 # build.log, the regression record and its pytest log, bench.log and three bench JSON
@@ -58,6 +60,14 @@ RESULTS="$(cd "$RESULTS" && pwd)"
 LOG="$RESULTS/gpu_check.log"
 : >"$LOG"
 exec > >(tee -a "$LOG") 2>&1
+TEE_PID=$!
+# Every exit goes through finish: it closes our side of the pipe and waits for tee, so the
+# last lines always reach gpu_check.log before the machine is handed back.
+finish() {
+  exec 1>&- 2>&-
+  wait "$TEE_PID" 2>/dev/null
+  exit "$1"
+}
 
 T_START=$SECONDS
 section() { printf '\n==== %s (t=%ds)\n' "$*" "$((SECONDS - T_START))"; }
@@ -68,6 +78,7 @@ budget() {  # budget WANTED: seconds a step may take, at most what is left befor
 BUILD_STATUS="not run"
 TEST_STATUS="not run"
 BENCH_STATUS=()
+WARNINGS=()
 FAILED=0
 
 # ------------------------------------------------------------------------ 1. environment
@@ -104,7 +115,44 @@ then
   echo
   echo "gpu_check: STOP: no GPU is visible to torch (torch.cuda.is_available() is False, or"
   echo "torch cannot be imported). This script only makes sense on a machine with a CUDA GPU."
-  exit 2
+  finish 2
+fi
+
+# What the build, the tests and the benchmarks need, checked in seconds before any of
+# them starts: a run that would fail half-way for a missing package wastes the machine.
+section "preflight"
+if ! "$PYTHON" - "$REPO" <<'EOF'
+import importlib.util
+import shutil
+import subprocess
+import sys
+
+import torch
+
+missing = []
+for module in ("numpy", "pytest", "setuptools"):
+    if importlib.util.find_spec(module) is None:
+        missing.append(f"the Python module {module} (pip install {module})")
+if shutil.which("ninja") is None and importlib.util.find_spec("ninja") is None:
+    missing.append("ninja (pip install ninja, or the ninja binary on PATH)")
+spec = importlib.util.spec_from_file_location("ruda_torch_setup", f"{sys.argv[1]}/setup.py")
+setup = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(setup)  # main() runs only as a script
+home = setup.find_cuda_home(torch.version.cuda)
+if home is None:
+    missing.append("a CUDA toolkit root (a folder with a real bin/nvcc and lib64/libcudart*): "
+                   "set CUDA_HOME")
+else:
+    out = subprocess.run([f"{home}/bin/nvcc", "--version"], capture_output=True, text=True)
+    last = out.stdout.strip().splitlines()[-1] if out.stdout.strip() else "?"
+    print(f"toolkit: {home} ({last})")
+if missing:
+    print("gpu_check: STOP: missing " + "; ".join(missing))
+    sys.exit(1)
+print("preflight: numpy, pytest, setuptools, ninja and the toolkit are there")
+EOF
+then
+  finish 1
 fi
 
 # ------------------------------------------------------------------------------ 2. build
@@ -164,47 +212,13 @@ if [ $rc -eq 0 ]; then TEST_STATUS="passed (${TEST_S}s)"; else
 fi
 echo "tests: $TEST_STATUS"
 
-# ------------------------------------------------------------------------- 4. benchmarks
-BENCH_LOG="$RESULTS/bench.log"
-: >"$BENCH_LOG"
-bench() {  # bench NAME ARGS...: one benchmark run, its JSON at bench_NAME.json
-  local name="$1"
-  shift
-  section "benchmark $name: $*"
-  local t0=$SECONDS
-  local limit
-  limit=$(budget "$BENCH_TIMEOUT")
-  if [ "$limit" -lt 45 ]; then
-    BENCH_STATUS+=("$name: SKIPPED (${limit}s left before DEADLINE=${DEADLINE}s)")
-    FAILED=1
-    echo "skipped: ${limit}s left"
-    return
-  fi
-  timeout "$limit" "$PYTHON" benchmarks/bench_adamw.py --device cuda \
-    --json "$RESULTS/bench_$name.json" "$@" 2>&1 | tee -a "$BENCH_LOG"
-  local rc=${PIPESTATUS[0]}
-  if [ "$rc" -eq 0 ]; then
-    BENCH_STATUS+=("$name: passed ($((SECONDS - t0))s)")
-  else
-    BENCH_STATUS+=("$name: FAILED (exit $rc after $((SECONDS - t0))s; 124 = timeout)")
-    FAILED=1
-  fi
-}
-bench fp32 --elements "$BENCH_ELEMENTS" --tensors 200 --iterations 10 --samples 7 --warmup 3 \
-  --many-small
-bench scaler --elements "$BENCH_SMALL_ELEMENTS" --tensors 200 --iterations 10 --samples 5 \
-  --warmup 3 --scaler --no-many-small --variants ours_fused,torch_fused,torch_pipeline,ours_pipeline
-bench bf16 --elements "$BENCH_SMALL_ELEMENTS" --tensors 200 --iterations 10 --samples 5 \
-  --warmup 3 --grad-dtype bfloat16 --no-many-small
-
-# ---------------------------------------------------------------------------- 5. summary
-section "summary"
-"$PYTHON" - "$RESULTS" <<'EOF'
+summarize() {  # summarize NAME...: the table of each benchmark's JSON
+  "$PYTHON" - "$RESULTS" "$@" <<'EOF'
 import json, sys
 from pathlib import Path
 
 results = Path(sys.argv[1])
-for name in ("fp32", "scaler", "bf16"):
+for name in sys.argv[2:]:
     path = results / f"bench_{name}.json"
     if not path.is_file():
         print(f"bench {name}: no JSON (see bench.log)")
@@ -232,14 +246,56 @@ for name in ("fp32", "scaler", "bf16"):
         if k not in ("at_elements", "goals_judged", "fastest_batches"):
             print(f"  summary {k:<26} {val:.3f}")
 EOF
+}
+
+# ------------------------------------------------------------------------- 4. benchmarks
+BENCH_LOG="$RESULTS/bench.log"
+: >"$BENCH_LOG"
+bench() {  # bench NAME ARGS...: one benchmark run, its JSON at bench_NAME.json
+  local name="$1"
+  shift
+  section "benchmark $name: $*"
+  local t0=$SECONDS
+  local limit
+  limit=$(budget "$BENCH_TIMEOUT")
+  if [ "$limit" -lt 45 ]; then
+    # Out of time, not broken: a warning, so that the tests' verdict stands.
+    BENCH_STATUS+=("$name: skipped (${limit}s left before DEADLINE=${DEADLINE}s)")
+    WARNINGS+=("benchmark $name skipped for lack of time")
+    echo "skipped: ${limit}s left"
+    return
+  fi
+  timeout "$limit" "$PYTHON" benchmarks/bench_adamw.py --device cuda \
+    --json "$RESULTS/bench_$name.json" "$@" 2>&1 | tee -a "$BENCH_LOG"
+  local rc=${PIPESTATUS[0]}
+  if [ "$rc" -eq 0 ]; then
+    BENCH_STATUS+=("$name: passed ($((SECONDS - t0))s)")
+  else
+    BENCH_STATUS+=("$name: FAILED (exit $rc after $((SECONDS - t0))s; 124 = timeout)")
+    FAILED=1
+  fi
+  summarize "$name"  # its table now, in case the machine goes before the end
+}
+bench fp32 --elements "$BENCH_ELEMENTS" --tensors 200 --iterations 10 --samples 7 --warmup 3 \
+  --many-small
+bench scaler --elements "$BENCH_SMALL_ELEMENTS" --tensors 200 --iterations 10 --samples 5 \
+  --warmup 3 --scaler --no-many-small --variants ours_fused,torch_fused,torch_pipeline,ours_pipeline
+bench bf16 --elements "$BENCH_SMALL_ELEMENTS" --tensors 200 --iterations 10 --samples 5 \
+  --warmup 3 --grad-dtype bfloat16 --no-many-small
+
+# ---------------------------------------------------------------------------- 5. summary
+section "summary"
+summarize fp32 scaler bf16
 echo
 echo "build:  $BUILD_STATUS"
 echo "tests:  $TEST_STATUS"
 for s in "${BENCH_STATUS[@]}"; do echo "bench:  $s"; done
+for w in "${WARNINGS[@]}"; do echo "warning: $w"; done
 echo "total:  $((SECONDS - T_START))s; results in $RESULTS"
 ls -1 "$RESULTS" "$RESULTS"/regressions 2>/dev/null | sed 's/^/  /'
 if [ "$FAILED" -ne 0 ]; then
   echo "gpu_check: FAILED"
-  exit 1
+  finish 1
 fi
 echo "gpu_check: passed"
+finish 0
