@@ -364,7 +364,7 @@ def derive(opt, previous: FusedPlan | None, needs_global: bool) -> FusedPlan:
         for b in previous.buckets:
             kept[tuple(map(id, b.params))] = b
     groups = []
-    adopt = []  # (bucket, slot, entry, step, values)
+    adopt = []  # (bucket, slot, parameter, entry, step counter, whether to view the maximum)
     forget = []  # (bucket, slot)
     reused: list[Bucket] = []
     owner: dict[int, int] = {}  # parameter id -> the fused group that lists it
