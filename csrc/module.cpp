@@ -129,7 +129,52 @@ PyObject* unchanged(PyObject*, PyObject* args) {
   Py_RETURN_TRUE;
 }
 
+// grads_of(params) -> (grads, missing, mixed): `p.grad` of every parameter in the list
+// (None where there is none), how many are None, and whether the others have more than
+// one dtype. The step's per-parameter gathering in one C loop: a Python loop over
+// 20,000 parameters (the list, the None test, the dtype set) cost more than the check
+// above. Exact torch.Tensor / nn.Parameter objects are read directly, as their `grad`
+// property does; anything else (a tensor subclass) through its own attribute.
+PyObject* grads_of(PyObject*, PyObject* params) {
+  if (!PyList_Check(params)) {
+    PyErr_SetString(PyExc_TypeError, "grads_of: params must be a list");
+    return nullptr;
+  }
+  static PyObject* grad_name = PyUnicode_InternFromString("grad");
+  const Py_ssize_t n = PyList_GET_SIZE(params);
+  PyObject* grads = PyList_New(n);
+  if (grads == nullptr) return nullptr;
+  Py_ssize_t missing = 0;
+  bool mixed = false, seen = false;
+  at::ScalarType dtype = at::kFloat;
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    PyObject* p = PyList_GET_ITEM(params, i);
+    PyObject* g = nullptr;
+    if (THPVariable_CheckExact(p)) {
+      const at::Tensor& grad = THPVariable_Unpack(p).grad();
+      g = grad.defined() ? THPVariable_Wrap(grad) : Py_NewRef(Py_None);
+    } else {
+      g = PyObject_GetAttr(p, grad_name);
+    }
+    if (g == nullptr) {
+      Py_DECREF(grads);
+      return nullptr;
+    }
+    PyList_SET_ITEM(grads, i, g);
+    if (g == Py_None) {
+      ++missing;
+    } else if (THPVariable_Check(g)) {
+      const at::ScalarType t = THPVariable_Unpack(g).scalar_type();
+      mixed = mixed || (seen && t != dtype);
+      dtype = t;
+      seen = true;
+    }
+  }
+  return Py_BuildValue("(NnO)", grads, missing, mixed ? Py_True : Py_False);
+}
+
 PyMethodDef kMethods[] = {
+    {"grads_of", grads_of, METH_O, "grads_of(params) -> (grads, missing, mixed)"},
     {"unchanged", unchanged, METH_VARARGS,
      "unchanged(containers, expected, tensors, shapes, buffers, counts) -> bool "
      "(Note [Fused state coherence])"},

@@ -29,12 +29,11 @@ from __future__ import annotations
 import copy
 import operator
 from dataclasses import dataclass
-from itertools import repeat
 
 import torch
 from torch.optim import Optimizer
 
-from . import _fused, _generic, _stats, ops
+from . import _C, _fused, _generic, _stats, ops
 from ._generic import local
 from ._validate import (
     check_hyperparameters,
@@ -291,19 +290,20 @@ class AdamW(Optimizer):
         fresh: list[tuple[_fused.Bucket, int, bool]] = []  # slots that get state now
         for gi, group, buckets in plan.groups:
             for b in buckets:
-                grads = [p.grad for p in b.params]
-                if all(map(operator.is_not, grads, repeat(None))):
+                grads, missing, mixed = _C.grads_of(b.params)
+                if not missing:
                     active = b.all_slots
                 else:
-                    active = [i for i, g in enumerate(grads) if g is not None]
-                    if not active:
+                    if missing == len(grads):
                         continue
+                    active = [i for i, g in enumerate(grads) if g is not None]
                     grads = [grads[i] for i in active]
                 if b.n_with_state != len(b.params):
                     fresh.extend((b, i, group["amsgrad"]) for i in active if b.views[i] is None)
                 if b.distributed:
                     grads = [local(g) for g in grads]
-                calls.extend(_split_by_dtype(_FusedCall(b, group, active, grads, gi)))
+                call = _FusedCall(b, group, active, grads, gi)
+                calls.extend(_split_by_dtype(call) if mixed else (call,))
         new_state = bool(fresh)  # phase 2 writes before the first kernel call
         numeric_steps = []  # generic parameters whose step is a Python number
         generic: list[tuple[dict, list[torch.Tensor], list[torch.Tensor]]] = []
@@ -437,8 +437,6 @@ def _split_by_dtype(call: _FusedCall) -> list[_FusedCall]:
     """One kernel call takes one gradient dtype: split a bucket's active parameters by
     the dtype of their gradients (normally a single dtype, and no split)."""
     dtypes = set(map(_dtype_of, call.grads))
-    if len(dtypes) == 1:
-        return [call]
     parts = []
     for dtype in sorted(dtypes, key=str):
         keep = [k for k, g in enumerate(call.grads) if g.dtype == dtype]
