@@ -1,7 +1,8 @@
 // The Python module `ruda_torch._C`: importing it runs the operator registrations (the
 // static initializers of ops.cpp and the backend files); the module itself carries the
-// build facts (ruda_torch/_build.py) and one function, `unchanged`, the per-step test of
-// Note [Fused state coherence] in ruda_torch/_fused.py.
+// build facts (ruda_torch/_build.py) and the per-step host helpers of the fused path:
+// `unchanged`, the test of Note [Fused state coherence] in ruda_torch/_fused.py, and
+// `grads_of`, which gathers a bucket's gradients.
 //
 // `unchanged` compares object identities, shapes and sharing counts, never values: it is a
 // loop over pointers, so that checking 20,000 parameters and their state entries costs a
