@@ -313,11 +313,14 @@ def test_fused_hierarchical_step_does_not_sync():
 HUGE = 2**31 + 4097
 
 
-def test_adamw_and_stats_beyond_int32_indexing():
-    needed = HUGE * (4 + 2 + 4 + 4) + 2**30  # param, BF16 grad, two moments, slack
+def _require_gpu_memory(needed: int) -> None:
     free, _ = torch.cuda.mem_get_info()
     if free < needed:
         pytest.skip(f"needs {needed / 2**30:.1f} GiB of free GPU memory, {free / 2**30:.1f} free")
+
+
+def test_adamw_and_stats_beyond_int32_indexing():
+    _require_gpu_memory(HUGE * (4 + 2 + 4 + 4) + 2**30)  # param, BF16 grad, moments, slack
     gen = torch.Generator(device=CUDA).manual_seed(0)
     param = torch.empty(HUGE, device=CUDA).uniform_(-1.0, 1.0, generator=gen)
     grad = torch.empty(HUGE, device=CUDA, dtype=torch.bfloat16).normal_(0.0, 4.0, generator=gen)
@@ -486,10 +489,7 @@ def test_bucket_state_offsets_and_merges_beyond_int32():
     off1 = -(-n0 // 16) * 16  # the optimizer's 64-byte aligned layout: > 2**31
     n1 = 65537
     total = off1 + -(-n1 // 16) * 16
-    needed = n0 * (4 + 2) + total * (4 + 4) + 2**30
-    free, _ = torch.cuda.mem_get_info()
-    if free < needed:
-        pytest.skip(f"needs {needed / 2**30:.1f} GiB of free GPU memory, {free / 2**30:.1f} free")
+    _require_gpu_memory(n0 * (4 + 2) + total * (4 + 4) + 2**30)
     gen = torch.Generator(device=CUDA).manual_seed(3)
     p0 = torch.empty(n0, device=CUDA).uniform_(-1.0, 1.0, generator=gen)
     g0 = torch.empty(n0, device=CUDA, dtype=torch.bfloat16).normal_(0.0, 4.0, generator=gen)
