@@ -534,3 +534,41 @@ def test_bucket_state_offsets_and_merges_beyond_int32():
         del rows
     assert same_bits(reports[0], reports[1]), f"report {reports[0]} vs {reports[1]}"
     torch.cuda.empty_cache()
+
+
+def test_update_grid_is_one_wave_of_resident_blocks(tmp_path):
+    """max_resident_blocks sizes the grid by the kernel's real occupancy: SMs x the blocks
+    of 256 threads that its registers let one SM hold (2048 / 256 = 8 would assume no
+    register limit; 47-48 registers per thread fit 5). Read from the profiler's record of
+    the launch: grid size and registers per thread."""
+    import json
+
+    from torch.profiler import ProfilerActivity, profile
+
+    props = torch.cuda.get_device_properties(0)
+    units = props.multi_processor_count * 8 * 4  # more work units than any one wave
+    numel = units * 4096
+    p = torch.zeros(numel, device=CUDA)
+    g = torch.ones(numel, device=CUDA)
+    m, v = torch.zeros(numel, device=CUDA), torch.zeros(numel, device=CUDA)
+    steps = torch.zeros(1, device=CUDA)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        ops.adamw_scaled_(
+            [p], [g], m, v, None, steps, torch.zeros(1, 2, dtype=torch.int64),
+            lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0,
+        )  # fmt: skip
+        torch.cuda.synchronize()
+    trace = tmp_path / "trace.json"
+    prof.export_chrome_trace(str(trace))
+    events = [
+        e
+        for e in json.loads(trace.read_text())["traceEvents"]
+        if e.get("cat") == "kernel" and "adamw_kernel" in e.get("name", "")
+    ]
+    assert len(events) == 1, [e.get("name") for e in events]
+    args = events[0]["args"]
+    grid, regs = args["grid"][0], args["registers per thread"]
+    per_block = -(-regs * 32 // 256) * 256 * (256 // 32)  # registers are allocated per warp
+    by_registers = getattr(props, "regs_per_multiprocessor", 65536) // per_block
+    expected = props.multi_processor_count * min(by_registers, 2048 // 256)
+    assert grid == min(units, expected), (grid, regs, expected)
