@@ -61,13 +61,13 @@ def check_entry(st, p: torch.Tensor, amsgrad: bool, where: str) -> bool:
             raise ValueError(f"{where}[{key!r}] must be a tensor of shape {tuple(p.shape)}, "
                              f"got {got}")  # fmt: skip
     step = st["step"]
-    if isinstance(step, torch.Tensor):
-        if step.numel() != 1 or step.is_meta or not step.is_floating_point():
-            kind = "a meta tensor" if step.is_meta else f"{step.dtype} of shape {tuple(step.shape)}"
-            raise ValueError(f"{where}['step'] must be a one-element floating tensor with a "
-                             f"value, got {kind}")  # fmt: skip
+    if isinstance(step, torch.Tensor) and step.is_floating_point():
+        if step.numel() != 1 or step.is_meta:
+            kind = "a meta tensor" if step.is_meta else f"shape {tuple(step.shape)}"
+            raise ValueError(f"{where}['step'] must be a one-element tensor with a value, "
+                             f"got {kind}")  # fmt: skip
         return False
-    step_value(step, where)
+    step_value(step, where)  # a number or an integer tensor: checked, then made FP32
     return True
 
 

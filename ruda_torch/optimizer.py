@@ -305,7 +305,7 @@ class AdamW(Optimizer):
                 call = _FusedCall(b, group, active, grads, gi)
                 calls.extend(_split_by_dtype(call) if mixed else (call,))
         new_state = bool(fresh)  # phase 2 writes before the first kernel call
-        numeric_steps = []  # generic parameters whose step is a Python number
+        numeric_steps = []  # generic parameters whose step is a number or integer tensor
         generic: list[tuple[dict, list[torch.Tensor], list[torch.Tensor]]] = []
         scopes: list = []  # of the generic path's gradients, in order (tensor-op norm only)
         for gi, group in enumerate(self.param_groups):
@@ -346,7 +346,9 @@ class AdamW(Optimizer):
             b.init_fresh(i, self.state, amsgrad)
         for p in numeric_steps:
             st = self.state[p]
-            st["step"] = torch.tensor(float(st["step"]), dtype=torch.float32, device=p.device)
+            st["step"] = torch.tensor(
+                float(st["step"]), dtype=torch.float32, device=local(p).device
+            )
         created = bool(numeric_steps)
         for group, params, _ in generic:
             for p in params:

@@ -149,6 +149,12 @@ def _replace_step(opt):
     opt.state[_p(opt, 1, 3)]["step"] = torch.tensor(7.0)
 
 
+def _integer_steps(opt):
+    """Steps as int64 tensors (hand-made state; torch takes them, not Python ints)."""
+    opt.state[_p(opt, 0, 0)]["step"] = torch.tensor(6, dtype=torch.int64)
+    opt.state[_p(opt, 1, 0)]["step"] = torch.tensor(5, dtype=torch.int64)
+
+
 def _inplace_writes(opt):
     opt.state[_p(opt, 0, 1)]["exp_avg_sq"].mul_(2.0)
     opt.state[_p(opt, 0, 2)]["step"].fill_(11.0)
@@ -269,6 +275,7 @@ MUTATIONS = {
     "replace exp_avg": _replace_moment,
     "replace exp_avg_sq": _replace_second_moment,
     "replace step": _replace_step,
+    "integer steps": _integer_steps,
     "in-place writes": _inplace_writes,
     "state tensors' .data moved": _move_state_through_data,
     "replace entry": _replace_entry,
@@ -803,3 +810,19 @@ def test_generic_path_clips_fp64_and_complex_parameters_like_torch(dtype):
         theirs.step()
     for a, b in zip(po, pt, strict=True):
         torch.testing.assert_close(a, b.to(a.dtype), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_python_number_steps_in_the_state_are_taken(mode):
+    """torch's own step raises on a Python-number step in optimizer.state; ours takes it
+    as that count (an older checkpoint's format), exactly as a tensor of it."""
+    ours, ref = make_ours(make_params(), mode), make_ours(make_params(), mode)
+    for step in (1, 2):
+        step_all((ours, ref), step)
+    for gi, j in ((0, 0), (1, 0)):
+        ours.state[_p(ours, gi, j)]["step"] = 6
+        ref.state[_p(ref, gi, j)]["step"] = torch.tensor(6.0)
+    for step in (3, 4):
+        step_all((ours, ref), step)
+        assert_bitwise_twins(ours, ref, f"step {step}")
+    assert ours.state[_p(ours, 0, 0)]["step"].item() == 8
