@@ -25,6 +25,9 @@ namespace ruda {
 // CPU and CUDA write the same bits in every case, every value the update stores goes
 // through canonical(): NaN becomes 0x7FFFFFFF (CUDA's own), anything else is unchanged.
 constexpr uint32_t kCanonicalNaNBits = 0x7FFFFFFFu;
+constexpr uint64_t kCanonicalNaNBits64 = 0x7FFFFFFFFFFFFFFFull;
+// FP16 and BF16 parameters store a NaN as 0x7FFF (CUDA's conversions make it too).
+constexpr uint16_t kCanonicalNaNBits16 = 0x7FFFu;
 
 // Scalar operations for V = float; the CPU file supplies the Vectorized<float> twin.
 struct ScalarOps {
@@ -46,6 +49,27 @@ struct ScalarOps {
 #endif
   }
   RUDA_HOST_DEVICE static inline float canonical(float x) { return x == x ? x : canonical_nan(); }
+
+  // FP64 twins for FP64 parameters (Note [Parameter dtypes]).
+  RUDA_HOST_DEVICE static inline double sqrt(double x) { return ::sqrt(x); }
+  RUDA_HOST_DEVICE static inline double max(double a, double b) {
+    if (a != a) return a;
+    if (b != b) return b;
+    return a > b ? a : b;
+  }
+  RUDA_HOST_DEVICE static inline double canonical_nan_f64() {
+#if defined(__CUDA_ARCH__)
+    return __longlong_as_double(static_cast<long long>(kCanonicalNaNBits64));
+#else
+    double nan;
+    const uint64_t bits = kCanonicalNaNBits64;
+    std::memcpy(&nan, &bits, sizeof(nan));
+    return nan;
+#endif
+  }
+  RUDA_HOST_DEVICE static inline double canonical(double x) {
+    return x == x ? x : canonical_nan_f64();
+  }
 };
 
 // beta^e by repeated squaring in FP64 (Note [Bias correction]).
@@ -118,26 +142,97 @@ RUDA_HOST_DEVICE inline StepDecision decide_step(const StepControl& c) {
   return {skip, signed_clip / scale};
 }
 
-// The FP32 coefficients of one update at step t; every lane of a vector holds the same.
+// The coefficients of one update at step t, in the math type M (FP32, or FP64 for FP64
+// parameters); every lane of a vector holds the same.
 template <typename V>
 struct StepCoefs {
   V factor, beta1, one_minus_beta1, beta2, one_minus_beta2, eps, lr, decay, bc1, bc2;
 };
 
-// Host-precision scalars are computed in FP64 and cast once (Note [Bias correction]).
-RUDA_HOST_DEVICE inline StepCoefs<float> make_coefs(const AdamWHyper& h, float factor, int64_t t) {
-  StepCoefs<float> c;
-  c.factor = factor;
-  c.beta1 = static_cast<float>(h.beta1);
-  c.one_minus_beta1 = static_cast<float>(1.0 - h.beta1);
-  c.beta2 = static_cast<float>(h.beta2);
-  c.one_minus_beta2 = static_cast<float>(1.0 - h.beta2);
-  c.eps = static_cast<float>(h.eps);
-  c.lr = static_cast<float>(h.lr);
-  c.decay = static_cast<float>(1.0 - h.lr * h.weight_decay);
-  c.bc1 = bias_correction(h.beta1, t);
-  c.bc2 = bias_correction(h.beta2, t);
+// The learning rate: a Tensor lr's value when the launch has one (read from memory by
+// the kernel), else the float argument.
+RUDA_HOST_DEVICE inline double learning_rate(const AdamWHyper& h) {
+  if (h.lr_f32 != nullptr) return static_cast<double>(h.lr_f32[0]);
+  if (h.lr_f64 != nullptr) return h.lr_f64[0];
+  return h.lr;
+}
+
+// Host-precision scalars are computed in FP64 and cast once to M (Note [Bias correction]).
+template <typename M = float>
+RUDA_HOST_DEVICE inline StepCoefs<M> make_coefs(const AdamWHyper& h, float factor, int64_t t) {
+  const double lr = learning_rate(h);
+  StepCoefs<M> c;
+  c.factor = static_cast<M>(factor);
+  c.beta1 = static_cast<M>(h.beta1);
+  c.one_minus_beta1 = static_cast<M>(1.0 - h.beta1);
+  c.beta2 = static_cast<M>(h.beta2);
+  c.one_minus_beta2 = static_cast<M>(1.0 - h.beta2);
+  c.eps = static_cast<M>(h.eps);
+  c.lr = static_cast<M>(lr);
+  c.decay = static_cast<M>(1.0 - lr * h.weight_decay);
+  c.bc1 = static_cast<M>(1.0 - pow_int(h.beta1, t));
+  c.bc2 = static_cast<M>(1.0 - pow_int(h.beta2, t));
   return c;
+}
+
+// Note [Parameter dtypes]
+// * FP32 parameters: FP32 math and state (SPEC section 1).
+// * FP64 parameters: FP64 math, FP64 state and FP64 gradients, as torch's AdamW computes
+//   for them; the same expressions with M = double. (FP32 math would cost an FP64 user
+//   half the precision they chose, for no bandwidth gain worth having.)
+// * FP16/BF16 parameters: FP32 math and FP32 moments. The value updated is the FP32
+//   master copy when the bucket keeps one (master_weights), else the parameter widened
+//   exactly to FP32; the result is written to the parameter rounded to nearest even
+//   (round_to_half/round_to_bf16 below), or for BF16 stochastically (round_bf16_stochastic).
+//   The conversions are integer operations on the bits, the same code on both backends,
+//   so CPU and CUDA write the same 16-bit values.
+
+// FP32 -> BF16, round to nearest even; NaN -> kCanonicalNaNBits16.
+RUDA_HOST_DEVICE inline uint16_t round_to_bf16(uint32_t x) {
+  if ((x & 0x7FFFFFFFu) > 0x7F800000u) return kCanonicalNaNBits16;
+  return static_cast<uint16_t>((x + 0x7FFFu + ((x >> 16) & 1u)) >> 16);
+}
+
+// FP32 -> FP16, round to nearest even (subnormals included); NaN -> kCanonicalNaNBits16.
+RUDA_HOST_DEVICE inline uint16_t round_to_half(uint32_t x) {
+  const uint32_t sign = (x >> 16) & 0x8000u;
+  const uint32_t ax = x & 0x7FFFFFFFu;
+  if (ax > 0x7F800000u) return kCanonicalNaNBits16;
+  if (ax >= 0x477FF000u) return static_cast<uint16_t>(sign | 0x7C00u);  // >= 65520: inf
+  if (ax < 0x38800000u) {  // below 2^-14: an FP16 subnormal or zero
+    if (ax <= 0x33000000u) return static_cast<uint16_t>(sign);  // <= 2^-25: ties to 0
+    const uint32_t e = ax >> 23;                                // 102 ... 112
+    const uint32_t mant = (ax & 0x7FFFFFu) | 0x800000u;
+    const uint32_t shift = 126u - e;  // value / 2^-24 = mant / 2^shift
+    uint32_t q = mant >> shift;
+    const uint32_t rem = mant & ((1u << shift) - 1u), half = 1u << (shift - 1u);
+    if (rem > half || (rem == half && (q & 1u))) ++q;  // may carry into the smallest normal
+    return static_cast<uint16_t>(sign | q);
+  }
+  const uint32_t r = ax - 0x38000000u;  // exponent rebiased from 127 to 15
+  return static_cast<uint16_t>(sign | ((r + 0xFFFu + ((r >> 13) & 1u)) >> 13));
+}
+
+// FP32 -> BF16 rounded up in magnitude with probability (dropped bits) / 2^16, as
+// torchao's bf16_stochastic_round; NaN -> kCanonicalNaNBits16. A value within one BF16
+// ulp of the largest finite one may round to infinity, as with any stochastic rounding.
+RUDA_HOST_DEVICE inline uint16_t round_bf16_stochastic(uint32_t x, uint32_t random) {
+  if ((x & 0x7FFFFFFFu) > 0x7F800000u) return kCanonicalNaNBits16;
+  if ((x & 0x7FFFFFFFu) == 0x7F800000u) return static_cast<uint16_t>(x >> 16);  // +-inf
+  return static_cast<uint16_t>((x + (random & 0xFFFFu)) >> 16);
+}
+
+// Note [Stochastic rounding bits]
+// The random bits of element `index` (its position in the bucket's flat state) at step t
+// of seed `seed`: a counter-based hash (SplitMix64's finalizer over the three), so that
+// each element draws independently at every step, any backend and any thread schedule
+// draws the same bits, and a resumed run (same seed, same counters) repeats them.
+RUDA_HOST_DEVICE inline uint32_t rounding_bits(uint64_t seed, int64_t t, int64_t index) {
+  uint64_t z = seed ^ (static_cast<uint64_t>(t) * 0x9E3779B97F4A7C15ull) ^
+               (static_cast<uint64_t>(index) * 0xD1B54A32D192ED03ull);
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  return static_cast<uint32_t>((z ^ (z >> 31)) >> 32);
 }
 
 // SPEC section 1, one element (or one vector of elements):

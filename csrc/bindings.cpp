@@ -67,10 +67,26 @@ void check_same_device(const char* op, const at::Tensor& t, const char* name,
               device, " like the first tensor (got ", t.device(), ")");
 }
 
-void check_flat_fp32(const char* op, const at::Tensor& t, const char* name,
-                     const at::Device& device) {
-  TORCH_CHECK(t.scalar_type() == at::kFloat, "ruda_torch.", op, ": ", name,
-              " must be float32 (got ", t.scalar_type(), ")");
+// torch's name of a dtype, as users write it ("float32", not c10's "Float").
+const char* dtype_name(at::ScalarType t) {
+  switch (t) {
+    case at::kFloat:
+      return "float32";
+    case at::kDouble:
+      return "float64";
+    case at::kHalf:
+      return "float16";
+    case at::kBFloat16:
+      return "bfloat16";
+    default:
+      return c10::toString(t);
+  }
+}
+
+void check_flat(const char* op, const at::Tensor& t, const char* name, const at::Device& device,
+                at::ScalarType dtype = at::kFloat) {
+  TORCH_CHECK(t.scalar_type() == dtype, "ruda_torch.", op, ": ", name, " must be ",
+              dtype_name(dtype), " (got ", t.scalar_type(), ")");
   TORCH_CHECK(t.dim() == 1 && t.is_contiguous(), "ruda_torch.", op, ": ", name,
               " must be a contiguous 1-D tensor (got shape ", shape_str(t), ")");
   check_same_device(op, t, name, device);
@@ -95,35 +111,81 @@ const float* ptr_or_null(const std::optional<at::Tensor>& t) {
   return t.has_value() ? t->data_ptr<float>() : nullptr;
 }
 
+bool is_16bit(at::ScalarType t) { return t == at::kHalf || t == at::kBFloat16; }
+
+// Note [Dense layouts]
+// The kernels walk a tensor's memory front to back. A tensor whose elements fill
+// [data_ptr, data_ptr + numel) without overlap (contiguous, transposed, channels_last:
+// `is_non_overlapping_and_dense`) is such a range, element k of memory being element k
+// of the parameter's slice of the flat state; its gradient must lay its elements out the
+// same way (equal strides on every dimension of size > 1), which autograd's gradients of
+// dense parameters do.
+bool same_layout(const at::Tensor& a, const at::Tensor& b) {
+  if (a.sizes() != b.sizes()) return false;
+  for (int64_t d = 0; d < a.dim(); ++d) {
+    if (a.size(d) > 1 && a.stride(d) != b.stride(d)) return false;
+  }
+  return true;
+}
+
+// A gradient the statistics or the update can read: defined, dense (Note [Dense layouts]),
+// of grads[0]'s dtype (`dtype`), on `device`. The allowed dtypes are the caller's.
 void check_grad(const char* op, at::TensorList grads, size_t i, at::ScalarType dtype,
                 const at::Device& device) {
   const at::Tensor& g = grads[i];
   TORCH_CHECK(g.defined(), "ruda_torch.", op, ": grads[", i, "] is undefined");
   TORCH_CHECK(g.layout() == at::kStrided, "ruda_torch.", op, ": grads[", i,
               "] is sparse; sparse gradients are not supported");
+  TORCH_CHECK(g.scalar_type() == dtype, "ruda_torch.", op, ": grads[", i, "] is ", g.scalar_type(),
+              " but grads[0] is ", dtype, "; one call takes one gradient dtype (bucket by dtype)");
+  TORCH_CHECK(g.is_non_overlapping_and_dense(), "ruda_torch.", op, ": grads[", i,
+              "] must be dense (contiguous, or a permutation of a contiguous tensor; got shape ",
+              shape_str(g), " with strides ", g.strides(), ")");
+  check_same_device(op, g, "grads", device, static_cast<int64_t>(i));
+}
+
+void check_stats_grad_dtype(const char* op, const at::Tensor& g, size_t i) {
   TORCH_CHECK(g.scalar_type() == at::kFloat || g.scalar_type() == at::kHalf ||
                   g.scalar_type() == at::kBFloat16,
               "ruda_torch.", op, ": grads[", i, "] must be float32, float16 or bfloat16 (got ",
               g.scalar_type(), ")");
-  TORCH_CHECK(g.scalar_type() == dtype, "ruda_torch.", op, ": grads[", i, "] is ", g.scalar_type(),
-              " but grads[0] is ", dtype, "; one call takes one gradient dtype (bucket by dtype)");
-  TORCH_CHECK(g.is_contiguous(), "ruda_torch.", op, ": grads[", i,
-              "] must be contiguous (got strides ", g.strides(), ")");
-  check_same_device(op, g, "grads", device, static_cast<int64_t>(i));
+}
+
+// The gradient dtypes an update of `pdtype` parameters takes (Note [Parameter dtypes]).
+void check_update_grad_dtype(const char* op, const at::Tensor& g, at::ScalarType pdtype) {
+  const at::ScalarType gd = g.scalar_type();
+  bool ok;
+  const char* allowed;
+  if (pdtype == at::kDouble) {
+    ok = gd == at::kDouble;
+    allowed = "float64";
+  } else if (pdtype == at::kFloat) {
+    ok = gd == at::kFloat || gd == at::kHalf || gd == at::kBFloat16;
+    allowed = "float32, float16 or bfloat16";
+  } else {
+    ok = gd == pdtype || gd == at::kFloat;
+    allowed = pdtype == at::kHalf ? "float16 or float32" : "bfloat16 or float32";
+  }
+  TORCH_CHECK(ok, "ruda_torch.", op, ": grads[0] is ", dtype_name(gd), "; ", dtype_name(pdtype),
+              " parameters take ", allowed, " gradients");
+}
+
+DType dtype_of(at::ScalarType t) {
+  switch (t) {
+    case at::kHalf:
+      return DType::kHalf;
+    case at::kBFloat16:
+      return DType::kBFloat16;
+    case at::kDouble:
+      return DType::kDouble;
+    default:
+      return DType::kFloat;
+  }
 }
 
 }  // namespace
 
-GradDType grad_dtype_of(const at::Tensor& t) {
-  switch (t.scalar_type()) {
-    case at::kHalf:
-      return GradDType::kHalf;
-    case at::kBFloat16:
-      return GradDType::kBFloat16;
-    default:
-      return GradDType::kFloat;
-  }
-}
+DType grad_dtype_of(const at::Tensor& t) { return dtype_of(t.scalar_type()); }
 
 PreparedAdamW prepare_adamw(
     at::TensorList params, at::TensorList grads, const at::Tensor& exp_avg,
@@ -131,7 +193,9 @@ PreparedAdamW prepare_adamw(
     const at::Tensor& steps, const at::Tensor& slots, const std::optional<at::Tensor>& grad_scale,
     const std::optional<at::Tensor>& found_inf, const std::optional<at::Tensor>& stats,
     const std::optional<at::Tensor>& clip_coef, double lr, double beta1, double beta2, double eps,
-    double weight_decay, double max_grad_norm, bool maximize, int64_t unit) {
+    double weight_decay, double max_grad_norm, bool maximize,
+    const std::optional<at::Tensor>& master, const std::optional<at::Tensor>& lr_tensor,
+    int64_t rounding, int64_t seed, int64_t unit) {
   const char* op = "adamw_scaled_";
   check_hyper(lr, lr >= 0.0, "learning rate (lr >= 0)");
   check_hyper(beta1, beta1 >= 0.0 && beta1 < 1.0, "beta1 (0 <= beta1 < 1)");
@@ -146,18 +210,61 @@ PreparedAdamW prepare_adamw(
   TORCH_CHECK(exp_avg.defined() && steps.defined(), "ruda_torch.", op,
               ": exp_avg and steps are required");
   const at::Device device = n > 0 ? params[0].device() : exp_avg.device();
-  check_flat_fp32(op, exp_avg, "exp_avg", device);
-  check_flat_fp32(op, exp_avg_sq, "exp_avg_sq", device);
+  const at::ScalarType pdtype = n > 0 && params[0].defined() ? params[0].scalar_type() : at::kFloat;
+  TORCH_CHECK(pdtype == at::kFloat || pdtype == at::kDouble || is_16bit(pdtype), "ruda_torch.", op,
+              ": params[0] must be float32, float64, float16 or bfloat16 (got ", pdtype, ")");
+  // Note [Parameter dtypes]: FP64 state for FP64 parameters, FP32 for all others.
+  const at::ScalarType sdtype = pdtype == at::kDouble ? at::kDouble : at::kFloat;
+  check_flat(op, exp_avg, "exp_avg", device, sdtype);
+  check_flat(op, exp_avg_sq, "exp_avg_sq", device, sdtype);
   TORCH_CHECK(exp_avg_sq.numel() == exp_avg.numel(), "ruda_torch.", op,
               ": exp_avg_sq must have as many elements as exp_avg (got ", exp_avg_sq.numel(),
               " vs ", exp_avg.numel(), ")");
   if (max_exp_avg_sq.has_value()) {
-    check_flat_fp32(op, *max_exp_avg_sq, "max_exp_avg_sq", device);
+    check_flat(op, *max_exp_avg_sq, "max_exp_avg_sq", device, sdtype);
     TORCH_CHECK(max_exp_avg_sq->numel() == exp_avg.numel(), "ruda_torch.", op,
                 ": max_exp_avg_sq must have as many elements as exp_avg (got ",
                 max_exp_avg_sq->numel(), " vs ", exp_avg.numel(), ")");
   }
-  check_flat_fp32(op, steps, "steps", device);
+  check_flat(op, steps, "steps", device);
+  if (master.has_value()) {
+    TORCH_CHECK(is_16bit(pdtype), "ruda_torch.", op,
+                ": master weights are for float16 and "
+                "bfloat16 parameters; params are ",
+                dtype_name(pdtype), " (pass master=None)");
+    check_flat(op, *master, "master", device);
+    TORCH_CHECK(master->numel() == exp_avg.numel(), "ruda_torch.", op,
+                ": master must have as many elements as exp_avg (got ", master->numel(), " vs ",
+                exp_avg.numel(), ")");
+  }
+  TORCH_CHECK(rounding == 0 || rounding == 1, "ruda_torch.", op,
+              ": rounding must be 0 (nearest even) or 1 (stochastic), got ", rounding);
+  TORCH_CHECK(rounding == 0 || (pdtype == at::kBFloat16 && !master.has_value()), "ruda_torch.", op,
+              ": stochastic rounding (rounding=1) is for bfloat16 parameters without master "
+              "weights; params are ",
+              dtype_name(pdtype), master.has_value() ? " with master weights" : "");
+  const float* lr_f32 = nullptr;
+  const double* lr_f64 = nullptr;
+  if (lr_tensor.has_value()) {
+    const at::Tensor& t = *lr_tensor;
+    TORCH_CHECK(t.numel() == 1 && (t.scalar_type() == at::kFloat || t.scalar_type() == at::kDouble),
+                "ruda_torch.", op,
+                ": lr_tensor must be a float32 or float64 tensor of one "
+                "element (got ",
+                t.scalar_type(), " ", shape_str(t), ")");
+    if (t.device().is_cpu()) {  // host memory: read now, without any device sync
+      lr = t.scalar_type() == at::kFloat ? static_cast<double>(*t.data_ptr<float>())
+                                         : *t.data_ptr<double>();
+      check_hyper(lr, lr >= 0.0, "learning rate (lr_tensor >= 0)");
+    } else {  // read by the kernel (a negative or NaN value there is the caller's to avoid)
+      check_same_device(op, t, "lr_tensor", device);
+      if (t.scalar_type() == at::kFloat) {
+        lr_f32 = t.data_ptr<float>();
+      } else {
+        lr_f64 = t.data_ptr<double>();
+      }
+    }
+  }
   TORCH_CHECK(
       slots.device().is_cpu() && slots.scalar_type() == at::kLong && slots.dim() == 2 &&
           slots.size(0) == static_cast<int64_t>(n) && slots.size(1) == 2 && slots.is_contiguous(),
@@ -169,6 +276,7 @@ PreparedAdamW prepare_adamw(
   check_scalar_fp32(op, clip_coef, "clip_coef", 1, device);
 
   const at::ScalarType gdtype = n > 0 ? grads[0].scalar_type() : at::kFloat;
+  if (n > 0 && grads[0].defined()) check_update_grad_dtype(op, grads[0], pdtype);
   const int64_t* slot = slots.data_ptr<int64_t>();
   const int64_t state_numel = exp_avg.numel();
   const int64_t n_steps = steps.numel();
@@ -185,15 +293,22 @@ PreparedAdamW prepare_adamw(
   for (size_t i = 0; i < n; ++i) {
     const at::Tensor& p = params[i];
     TORCH_CHECK(p.defined(), "ruda_torch.", op, ": params[", i, "] is undefined");
-    TORCH_CHECK(p.scalar_type() == at::kFloat, "ruda_torch.", op, ": params[", i,
-                "] must be float32 (FP32 master weights; got ", p.scalar_type(), ")");
-    TORCH_CHECK(p.layout() == at::kStrided && p.is_contiguous(), "ruda_torch.", op, ": params[", i,
-                "] must be a dense contiguous tensor (got strides ", p.strides(), ")");
+    TORCH_CHECK(p.scalar_type() == pdtype, "ruda_torch.", op, ": params[", i, "] is ",
+                dtype_name(p.scalar_type()), " but params[0] is ", dtype_name(pdtype),
+                "; one call takes one parameter dtype");
+    TORCH_CHECK(p.layout() == at::kStrided && p.is_non_overlapping_and_dense(), "ruda_torch.", op,
+                ": params[", i,
+                "] must be dense (contiguous, or a permutation of a contiguous tensor; got shape ",
+                shape_str(p), " with strides ", p.strides(), ")");
     check_same_device(op, p, "params", device, static_cast<int64_t>(i));
     check_grad(op, grads, i, gdtype, device);
     TORCH_CHECK(grads[i].sizes() == p.sizes(), "ruda_torch.", op, ": grads[", i,
                 "] must have the same shape as params[", i, "] (got ", shape_str(grads[i]), " vs ",
                 shape_str(p), ")");
+    TORCH_CHECK(same_layout(p, grads[i]), "ruda_torch.", op, ": grads[", i,
+                "] must lay its elements out in memory as params[", i, "] does (strides ",
+                grads[i].strides(), " vs ", p.strides(),
+                "); make it with torch.empty_like(param).copy_(grad)");
     const int64_t off = slot[2 * i], sid = slot[2 * i + 1], numel = p.numel();
     TORCH_CHECK(off >= 0 && off <= state_numel - numel, "ruda_torch.", op, ": slots[", i,
                 "] puts params[", i, "] (", numel, " elements) at offset ", off,
@@ -205,7 +320,7 @@ PreparedAdamW prepare_adamw(
     written.push_back(span_of(p, "params", i));
     read_only.push_back(span_of(grads[i], "grads", i));
     TensorEntry& e = prep.table[i];
-    e.param = p.data_ptr<float>();
+    e.param = p.data_ptr();
     e.grad = grads[i].data_ptr();
     e.numel = numel;
     e.state_offset = off;
@@ -225,6 +340,7 @@ PreparedAdamW prepare_adamw(
   written.push_back(span_of(exp_avg, "exp_avg"));
   written.push_back(span_of(exp_avg_sq, "exp_avg_sq"));
   if (max_exp_avg_sq.has_value()) written.push_back(span_of(*max_exp_avg_sq, "max_exp_avg_sq"));
+  if (master.has_value()) written.push_back(span_of(*master, "master"));
   written.push_back(span_of(steps, "steps"));
   check_no_aliasing(op, std::move(written), read_only);
 
@@ -232,13 +348,17 @@ PreparedAdamW prepare_adamw(
   L.table = nullptr;  // placed by the backend
   L.n_tensors = static_cast<int64_t>(n);
   L.n_units = units;
-  L.grad_dtype = n > 0 ? grad_dtype_of(grads[0]) : GradDType::kFloat;
+  L.param_dtype = dtype_of(pdtype);
+  L.grad_dtype = n > 0 ? grad_dtype_of(grads[0]) : DType::kFloat;
   L.amsgrad = max_exp_avg_sq.has_value();
-  L.exp_avg = exp_avg.data_ptr<float>();
-  L.exp_avg_sq = exp_avg_sq.data_ptr<float>();
-  L.max_exp_avg_sq = max_exp_avg_sq.has_value() ? max_exp_avg_sq->data_ptr<float>() : nullptr;
+  L.exp_avg = exp_avg.data_ptr();
+  L.exp_avg_sq = exp_avg_sq.data_ptr();
+  L.max_exp_avg_sq = max_exp_avg_sq.has_value() ? max_exp_avg_sq->data_ptr() : nullptr;
+  L.master = master.has_value() ? master->data_ptr<float>() : nullptr;
   L.steps = steps.data_ptr<float>();
-  L.hyper = {lr, beta1, beta2, eps, weight_decay};
+  L.rounding = rounding == 1 ? Rounding::kStochastic : Rounding::kNearestEven;
+  L.seed = static_cast<uint64_t>(seed);
+  L.hyper = {lr, beta1, beta2, eps, weight_decay, lr_f32, lr_f64};
   L.control = {ptr_or_null(grad_scale), ptr_or_null(found_inf), ptr_or_null(stats),
                ptr_or_null(clip_coef),  max_grad_norm,          maximize};
   return prep;
@@ -252,11 +372,13 @@ void check_adamw_scaled(at::TensorList params, at::TensorList grads, const at::T
                         const std::optional<at::Tensor>& stats,
                         const std::optional<at::Tensor>& clip_coef, double lr, double beta1,
                         double beta2, double eps, double weight_decay, double max_grad_norm,
-                        bool maximize) {
+                        bool maximize, const std::optional<at::Tensor>& master,
+                        const std::optional<at::Tensor>& lr_tensor, int64_t rounding,
+                        int64_t seed) {
   // The unit only sizes the work split, which validation does not use.
   prepare_adamw(params, grads, exp_avg, exp_avg_sq, max_exp_avg_sq, steps, slots, grad_scale,
                 found_inf, stats, clip_coef, lr, beta1, beta2, eps, weight_decay, max_grad_norm,
-                maximize, /*unit=*/1);
+                maximize, master, lr_tensor, rounding, seed, /*unit=*/1);
 }
 
 PreparedStats prepare_analyze(at::TensorList grads, const std::optional<at::Tensor>& grad_scale,
@@ -272,6 +394,7 @@ PreparedStats prepare_analyze(at::TensorList grads, const std::optional<at::Tens
   read_only.reserve(n);
   for (size_t i = 0; i < n; ++i) {
     check_grad(op, grads, i, gdtype, device);
+    check_stats_grad_dtype(op, grads[i], i);
     TensorEntry& e = prep.table[i];
     e.param = nullptr;
     e.grad = grads[i].data_ptr();
@@ -294,7 +417,7 @@ PreparedStats prepare_analyze(at::TensorList grads, const std::optional<at::Tens
   prep.launch = {nullptr,
                  static_cast<int64_t>(n),
                  n_rows,
-                 n > 0 ? grad_dtype_of(grads[0]) : GradDType::kFloat,
+                 n > 0 ? grad_dtype_of(grads[0]) : DType::kFloat,
                  ptr_or_null(grad_scale),
                  rows.data_ptr<float>()};
   return prep;

@@ -32,7 +32,9 @@ PreparedAdamW prepare_adamw(
     const at::Tensor& steps, const at::Tensor& slots, const std::optional<at::Tensor>& grad_scale,
     const std::optional<at::Tensor>& found_inf, const std::optional<at::Tensor>& stats,
     const std::optional<at::Tensor>& clip_coef, double lr, double beta1, double beta2, double eps,
-    double weight_decay, double max_grad_norm, bool maximize, int64_t unit);
+    double weight_decay, double max_grad_norm, bool maximize,
+    const std::optional<at::Tensor>& master, const std::optional<at::Tensor>& lr_tensor,
+    int64_t rounding, int64_t seed, int64_t unit);
 
 // check_adamw_scaled: prepare_adamw for its errors alone (any backend; writes nothing).
 void check_adamw_scaled(at::TensorList params, at::TensorList grads, const at::Tensor& exp_avg,
@@ -43,7 +45,8 @@ void check_adamw_scaled(at::TensorList params, at::TensorList grads, const at::T
                         const std::optional<at::Tensor>& stats,
                         const std::optional<at::Tensor>& clip_coef, double lr, double beta1,
                         double beta2, double eps, double weight_decay, double max_grad_norm,
-                        bool maximize);
+                        bool maximize, const std::optional<at::Tensor>& master,
+                        const std::optional<at::Tensor>& lr_tensor, int64_t rounding, int64_t seed);
 
 PreparedStats prepare_analyze(at::TensorList grads, const std::optional<at::Tensor>& grad_scale,
                               const at::Tensor& rows);
@@ -54,6 +57,6 @@ int64_t check_merge(const at::Tensor& rows, const at::Tensor& out);
 // Returns the number of reports.
 int64_t check_merge_chunks(const at::Tensor& reports, const at::Tensor& out);
 
-GradDType grad_dtype_of(const at::Tensor& t);
+DType grad_dtype_of(const at::Tensor& t);
 
 }  // namespace ruda

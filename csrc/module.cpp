@@ -9,6 +9,9 @@
 // fraction of a millisecond where the same loop in Python would cost several.
 #include <torch/csrc/autograd/python_variable.h>
 
+#include <algorithm>
+#include <vector>
+
 #include "grad_stats.h"
 
 namespace {
@@ -64,6 +67,53 @@ int64_t sharers(PyObject* t) {
   return tensor.has_storage() ? static_cast<int64_t>(tensor.storage().use_count()) : -1;
 }
 
+// What unchanged() compares of a parameter: dtype, device, shape and strides (any change
+// re-derives the plan: the bucket holds state of that dtype, on that device, in that
+// memory order). Appends [dtype, device type, device index, dim, sizes..., strides...];
+// false for anything that is not a tensor with concrete sizes.
+bool append_layout(PyObject* obj, std::vector<int64_t>& out) {
+  if (!THPVariable_Check(obj)) return false;
+  const at::Tensor& t = THPVariable_Unpack(obj);
+  const auto sizes = t.sym_sizes();
+  const auto strides = t.sym_strides();
+  out.push_back(static_cast<int64_t>(t.scalar_type()));
+  out.push_back(static_cast<int64_t>(t.device().type()));
+  out.push_back(static_cast<int64_t>(t.device().index()));
+  out.push_back(static_cast<int64_t>(sizes.size()));
+  for (const auto& v : sizes) {
+    const auto x = v.maybe_as_int();
+    if (!x.has_value()) return false;
+    out.push_back(*x);
+  }
+  for (const auto& v : strides) {
+    const auto x = v.maybe_as_int();
+    if (!x.has_value()) return false;
+    out.push_back(*x);
+  }
+  return true;
+}
+
+// layout_record(tensors) -> list[int]: append_layout() of each, concatenated.
+PyObject* layout_record(PyObject*, PyObject* tensors) {
+  if (!PyList_Check(tensors)) {
+    PyErr_SetString(PyExc_TypeError, "layout_record: tensors must be a list");
+    return nullptr;
+  }
+  std::vector<int64_t> out;
+  for (Py_ssize_t j = 0; j < PyList_GET_SIZE(tensors); ++j) {
+    if (!append_layout(PyList_GET_ITEM(tensors, j), out)) {
+      PyErr_SetString(PyExc_TypeError, "layout_record: every item must be a tensor of known sizes");
+      return nullptr;
+    }
+  }
+  PyObject* list = PyList_New(static_cast<Py_ssize_t>(out.size()));
+  if (list == nullptr) return nullptr;
+  for (size_t k = 0; k < out.size(); ++k) {
+    PyList_SET_ITEM(list, static_cast<Py_ssize_t>(k), PyLong_FromLongLong(out[k]));
+  }
+  return list;
+}
+
 // use_counts(buffers) -> list[int]: sharers() of each buffer, for unchanged() to compare.
 PyObject* use_counts(PyObject*, PyObject* buffers) {
   if (!PyList_Check(buffers)) {
@@ -81,8 +131,8 @@ PyObject* use_counts(PyObject*, PyObject* buffers) {
 
 // unchanged(containers, expected, tensors, shapes, buffers, counts) -> bool
 //   containers: dicts and lists; expected: their items, concatenated (see same_items);
-//   tensors: tensors whose shapes must not change; shapes: a CPU int64 tensor holding,
-//   for each of them in order, its number of dimensions and then its sizes;
+//   tensors: tensors whose layouts must not change; shapes: a CPU int64 tensor holding
+//   layout_record(tensors);
 //   buffers: tensors whose memory must be shared by as many tensors as before (counts, a
 //   CPU int64 tensor from use_counts). A view of a bucket given other memory
 //   (`view.data = ...`, `view.set_(...)`: the object stays, the memory moves) lowers its
@@ -111,17 +161,15 @@ PyObject* unchanged(PyObject*, PyObject* args) {
   if (at != PyList_GET_SIZE(expected)) Py_RETURN_FALSE;
   const int64_t* const want_end = want + n_shapes;
   const Py_ssize_t m = PyList_GET_SIZE(tensors);
+  std::vector<int64_t> have;
   for (Py_ssize_t j = 0; j < m; ++j) {
     PyObject* t = PyList_GET_ITEM(tensors, j);
-    if (!THPVariable_Check(t) || want == want_end) Py_RETURN_FALSE;
-    const auto sizes = THPVariable_Unpack(t).sym_sizes();
-    const int64_t dim = *want++;
-    if (static_cast<int64_t>(sizes.size()) != dim || want + dim > want_end) Py_RETURN_FALSE;
-    for (int64_t d = 0; d < dim; ++d) {
-      const auto size = sizes[d].maybe_as_int();
-      if (!size.has_value() || *size != want[d]) Py_RETURN_FALSE;
+    have.clear();
+    if (!append_layout(t, have) || want + static_cast<int64_t>(have.size()) > want_end ||
+        !std::equal(have.begin(), have.end(), want)) {
+      Py_RETURN_FALSE;
     }
-    want += dim;
+    want += have.size();
   }
   if (want != want_end) Py_RETURN_FALSE;
   for (int64_t k = 0; k < n_counts; ++k) {
@@ -130,12 +178,27 @@ PyObject* unchanged(PyObject*, PyObject* args) {
   Py_RETURN_TRUE;
 }
 
-// grads_of(params) -> (grads, missing, mixed): `p.grad` of every parameter in the list
-// (None where there is none), how many are None, and whether the others have more than
-// one dtype. The step's per-parameter gathering in one C loop: a Python loop over
-// 20,000 parameters (the list, the None test, the dtype set) cost more than the check
-// above. Exact torch.Tensor / nn.Parameter objects are read directly, as their `grad`
-// property does; anything else (a tensor subclass) through its own attribute.
+// Whether gradient g lays out its elements in memory as its parameter p does, with both
+// dense (Note [Dense layouts] in csrc/bindings.cpp), or p is not dense and g contiguous:
+// what adamw_scaled_ takes without a copy (a non-dense parameter is stepped through a
+// contiguous staging copy, see Bucket in ruda_torch/_fused.py).
+bool kernel_layout(const at::Tensor& p, const at::Tensor& g) {
+  if (!p.is_non_overlapping_and_dense()) return g.is_contiguous();
+  if (p.sizes() != g.sizes() || !g.is_non_overlapping_and_dense()) return false;
+  for (int64_t d = 0; d < p.dim(); ++d) {
+    if (p.size(d) > 1 && p.stride(d) != g.stride(d)) return false;
+  }
+  return true;
+}
+
+// grads_of(params) -> (grads, missing, mixed, relayout): `p.grad` of every parameter in
+// the list (None where there is none), how many are None, whether the others have more
+// than one dtype, and whether any may need a copy in the kernel's layout (kernel_layout
+// false, or a tensor subclass whose local gradient the caller must look at). The step's
+// per-parameter gathering in one C loop: a Python loop over 20,000 parameters (the list, the None
+// test, the dtype set) cost more than the check above. Exact torch.Tensor / nn.Parameter objects
+// are read directly, as their `grad` property does; anything else (a tensor subclass) through its
+// own attribute.
 PyObject* grads_of(PyObject*, PyObject* params) {
   if (!PyList_Check(params)) {
     PyErr_SetString(PyExc_TypeError, "grads_of: params must be a list");
@@ -146,16 +209,19 @@ PyObject* grads_of(PyObject*, PyObject* params) {
   PyObject* grads = PyList_New(n);
   if (grads == nullptr) return nullptr;
   Py_ssize_t missing = 0;
-  bool mixed = false, seen = false;
+  bool mixed = false, seen = false, relayout = false;
   at::ScalarType dtype = at::kFloat;
   for (Py_ssize_t i = 0; i < n; ++i) {
     PyObject* p = PyList_GET_ITEM(params, i);
     PyObject* g = nullptr;
     if (THPVariable_CheckExact(p)) {
-      const at::Tensor& grad = THPVariable_Unpack(p).grad();
+      const at::Tensor& param = THPVariable_Unpack(p);
+      const at::Tensor& grad = param.grad();
       g = grad.defined() ? THPVariable_Wrap(grad) : Py_NewRef(Py_None);
+      if (grad.defined() && !relayout) relayout = !kernel_layout(param, grad);
     } else {
       g = PyObject_GetAttr(p, grad_name);
+      relayout = relayout || (g != nullptr && g != Py_None);
     }
     if (g == nullptr) {
       Py_DECREF(grads);
@@ -171,15 +237,17 @@ PyObject* grads_of(PyObject*, PyObject* params) {
       seen = true;
     }
   }
-  return Py_BuildValue("(NnO)", grads, missing, mixed ? Py_True : Py_False);
+  return Py_BuildValue("(NnOO)", grads, missing, mixed ? Py_True : Py_False,
+                       relayout ? Py_True : Py_False);
 }
 
 PyMethodDef kMethods[] = {
-    {"grads_of", grads_of, METH_O, "grads_of(params) -> (grads, missing, mixed)"},
+    {"grads_of", grads_of, METH_O, "grads_of(params) -> (grads, missing, mixed, relayout)"},
     {"unchanged", unchanged, METH_VARARGS,
      "unchanged(containers, expected, tensors, shapes, buffers, counts) -> bool "
      "(Note [Fused state coherence])"},
     {"use_counts", use_counts, METH_O, "use_counts(buffers) -> list[int]"},
+    {"layout_record", layout_record, METH_O, "layout_record(tensors) -> list[int]"},
     {nullptr, nullptr, 0, nullptr}};
 
 }  // namespace

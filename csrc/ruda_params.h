@@ -22,7 +22,7 @@ namespace ruda {
 // finds its tensor by binary search and no unit ever spans two tensors. All sizes and
 // offsets are 64-bit: a single tensor may hold more than 2^31 elements.
 struct TensorEntry {
-  float* param;          // FP32 parameter (nullptr for statistics tables)
+  void* param;           // parameter, dtype given by the launch (nullptr for statistics)
   const void* grad;      // gradient, dtype given by the launch
   int64_t numel;         // elements of this tensor
   int64_t state_offset;  // first element of its slice in the flat state buffers
@@ -31,7 +31,12 @@ struct TensorEntry {
 };
 static_assert(sizeof(TensorEntry) == 6 * sizeof(int64_t), "TensorEntry is copied as int64[6]");
 
-enum class GradDType : int32_t { kFloat = 0, kHalf = 1, kBFloat16 = 2 };
+// Element types of parameters and gradients. Statistics take the first three; the update
+// takes FP64 parameters with FP64 gradients (Note [Parameter dtypes] in adamw_math.h).
+enum class DType : int32_t { kFloat = 0, kHalf = 1, kBFloat16 = 2, kDouble = 3 };
+
+// How an update computed in FP32 is written into a 16-bit parameter.
+enum class Rounding : int32_t { kNearestEven = 0, kStochastic = 1 };
 
 struct AdamWHyper {
   double lr;
@@ -39,6 +44,10 @@ struct AdamWHyper {
   double beta2;
   double eps;
   double weight_decay;
+  // A Tensor lr on the parameters' device, read by the kernel instead of `lr` (at most
+  // one is set), so that an LR schedule needs no host sync and changes no argument.
+  const float* lr_f32;
+  const double* lr_f64;
 };
 
 // Device-resident control values (any pointer may be null), read by the kernel itself
@@ -56,12 +65,17 @@ struct AdamWLaunch {
   const TensorEntry* table;  // n_tensors entries
   int64_t n_tensors;
   int64_t n_units;  // total update tiles
-  GradDType grad_dtype;
+  DType param_dtype;
+  DType grad_dtype;
   bool amsgrad;
-  float* exp_avg;
-  float* exp_avg_sq;
-  float* max_exp_avg_sq;  // null without AMSGrad
+  // Flat state, FP64 for FP64 parameters and FP32 for all others.
+  void* exp_avg;
+  void* exp_avg_sq;
+  void* max_exp_avg_sq;  // null without AMSGrad
+  float* master;         // FP32 master weights of 16-bit parameters, or null
   float* steps;
+  Rounding rounding;  // 16-bit parameters without master weights
+  uint64_t seed;      // of stochastic rounding
   AdamWHyper hyper;
   StepControl control;
 };
@@ -70,7 +84,7 @@ struct StatsLaunch {
   const TensorEntry* table;  // n_tensors entries; unit = one statistics row
   int64_t n_tensors;
   int64_t n_rows;
-  GradDType grad_dtype;
+  DType grad_dtype;         // kFloat, kHalf or kBFloat16
   const float* grad_scale;  // may be null
   float* rows;              // n_rows x 3
 };

@@ -2,22 +2,39 @@
 ``optimizer.state`` and ``param_groups``.
 
 Note [Buckets]
-With ``fused_step=True`` the parameters of one param group on one device form a bucket:
-flat FP32 buffers ``exp_avg``, ``exp_avg_sq`` (and ``max_exp_avg_sq`` with AMSGrad) in
-which every parameter owns a contiguous slice (starting on a 64-byte boundary, so the
-kernels use wide accesses), and a flat FP32 ``steps`` buffer with one counter per
-parameter. ``optimizer.state[p]`` holds views into these buffers, shaped like ``p``, so
-``state_dict()`` has exactly torch.optim.AdamW's format while one kernel launch updates
-the whole bucket. Buffers are not reallocated in the steady state. DTensor parameters
-are stepped on their local shards; their state views are DTensors around local slices.
+With ``fused_step=True`` the parameters of one param group on one device with one dtype
+form a bucket: flat buffers ``exp_avg``, ``exp_avg_sq`` (and ``max_exp_avg_sq`` with
+AMSGrad; FP64 for FP64 parameters, FP32 for all others), with ``master_weights`` a flat
+FP32 ``master`` for FP16/BF16 parameters, in which every parameter owns a contiguous
+slice (starting on a 64-byte boundary, so the kernels use wide accesses), and a flat FP32
+``steps`` buffer with one counter per parameter. ``optimizer.state[p]`` holds views into
+these buffers, shaped like ``p`` (with ``p``'s strides when ``p`` is dense but not
+contiguous, e.g. transposed or channels_last: slice element k is the parameter's k-th
+element in memory, so the kernel walks both front to back, Note [Dense layouts] in
+csrc/bindings.cpp), so ``state_dict()`` has exactly torch.optim.AdamW's format (plus
+``master_param`` with master weights) while one kernel launch updates the whole bucket.
+A parameter that is not dense (a view with gaps, such as ``w[..., 0]``) is stepped
+through a contiguous staging copy: copied in before the kernel and back after it. Buffers
+are not reallocated in the steady state. DTensor parameters are stepped on their local
+shards; their state views are DTensors around local slices.
+
+Note [Master weights]
+A 16-bit parameter's master copy is the FP32 value it is rounded from. The kernel takes
+the master where the parameter still holds the master rounded to nearest even, and the
+parameter's own value where it does not: whatever wrote the parameter since the last
+step (a load of model weights, ``p.data.copy_``, an initialization) is honoured at that
+element, at the cost of reading the parameter (2 bytes per element) in the same pass.
+So a master is never stale, a checkpoint without one (torch's) starts from the
+parameter, and one with one (ours) resumes bit for bit.
 
 Note [Fused state coherence]
 ``optimizer.state`` and ``param_groups`` are the truth, as in every torch optimizer; the
 buckets are a cache derived from them (a ``FusedPlan``). The plan records what it was
 derived from: the identities of the param_groups list, of each group dict and of each
-fused group's parameter list and parameters, the ``fused_step``/``amsgrad`` flags, the
-identity of the state mapping and of every (key, value) in it, of every item of the state
-entry of a fused parameter, the shape of every fused parameter, and how many tensors
+fused group's parameter list and parameters, the ``fused_step``/``amsgrad``/
+``master_weights`` flags, the identity of the state mapping and of every (key, value) in
+it, of every item of the state entry of a fused parameter, the dtype, device, shape and
+strides of every fused parameter, and how many tensors
 share each bucket buffer (``view.data = t`` keeps the view object but moves it off the
 buffer, which lowers that count). Before every step,
 ``FusedPlan.is_current`` compares all of it: a few Python checks per param group and one
@@ -64,33 +81,52 @@ import torch
 from . import _C, ops
 from ._build import check_device
 from ._generic import local
-from ._validate import STATE_KEYS, check_state_entry
+from ._validate import MASTER_KEY, REQUIRED_KEYS, STATE_KEYS, check_state_entry
 from .distributed import LOCAL, scope_of
 from .stats_plan import MAX_ROWS, StatsPlan, row_pieces
 
-_ALIGN = 16  # elements: 64-byte aligned slices
+_ALIGN = 16  # elements: 64-byte aligned slices (FP32; 128 bytes for FP64)
+_HALF_DTYPES = (torch.float16, torch.bfloat16)
+FUSED_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 
 
 class Bucket:
     """Flat state of one (param group, device); see Note [Buckets]."""
 
-    def __init__(self, params: list[torch.Tensor], amsgrad: bool, scope=LOCAL):
+    def __init__(
+        self, params: list[torch.Tensor], amsgrad: bool, scope=LOCAL, master: bool = False
+    ):
         self.params = params
         self.shapes = [p.shape for p in params]
+        self.strides = [p.stride() for p in params]
         self.scope = scope  # Note [Scopes] in ruda_torch/distributed.py
         self.distributed = any(hasattr(p, "device_mesh") for p in params)
         self.locals = [local(p) for p in params] if self.distributed else params
         self.device = self.locals[0].device if params else torch.device("cpu")
+        self.dtype = self.locals[0].dtype if params else torch.float32
         offsets, total = [], 0
         for t in self.locals:
             offsets.append(total)
             total += -(-t.numel() // _ALIGN) * _ALIGN
         self.offsets = offsets
-        opts = dict(dtype=torch.float32, device=self.device)
+        state_dtype = torch.float64 if self.dtype == torch.float64 else torch.float32
+        opts = dict(dtype=state_dtype, device=self.device)
         self.exp_avg = torch.zeros(total, **opts)
         self.exp_avg_sq = torch.zeros(total, **opts)
         self.max_exp_avg_sq = torch.zeros(total, **opts) if amsgrad else None
-        self.steps = torch.zeros(len(params), **opts)
+        self.master = (
+            torch.zeros(total, dtype=torch.float32, device=self.device)
+            if master and self.dtype in _HALF_DTYPES
+            else None
+        )
+        self.steps = torch.zeros(len(params), dtype=torch.float32, device=self.device)
+        # What the kernel steps: the local tensors, with a contiguous staging copy in place
+        # of each that is not dense (Note [Buckets]).
+        self.staged = [i for i, t in enumerate(self.locals) if not is_dense(t)]
+        self.targets = list(self.locals)
+        for i in self.staged:
+            t = self.locals[i]
+            self.targets[i] = torch.empty(t.shape, dtype=t.dtype, device=t.device)
         self.slots_all = torch.tensor(
             [[off, i] for i, off in enumerate(offsets)], dtype=torch.int64
         ).reshape(-1, 2)
@@ -110,30 +146,50 @@ class Bucket:
     @property
     def buffers(self) -> list[torch.Tensor]:
         bufs = [self.exp_avg, self.exp_avg_sq, self.steps]
-        return bufs if self.max_exp_avg_sq is None else [*bufs, self.max_exp_avg_sq]
+        return bufs + [b for b in (self.max_exp_avg_sq, self.master) if b is not None]
 
     @property
     def managed_keys(self) -> tuple[str, ...]:
         """The state keys whose values live in this bucket."""
-        if self.max_exp_avg_sq is None:
-            return ("step", "exp_avg", "exp_avg_sq")
-        return ("step", *STATE_KEYS)
+        keys = ("step", *STATE_KEYS) if self.max_exp_avg_sq is not None else REQUIRED_KEYS
+        return keys if self.master is None else (*keys, MASTER_KEY)
 
-    def can_serve(self, params: list, scope, amsgrad: bool) -> bool:
+    def _buffer(self, key: str) -> torch.Tensor | None:
+        return self.master if key == MASTER_KEY else getattr(self, key)
+
+    def can_serve(self, params: list, scope, amsgrad: bool, master: bool) -> bool:
         """Whether this bucket can stay the bucket of ``params`` (Note [Fused state
         coherence], step 1)."""
         return (
             len(params) == len(self.params)
             and all(map(_same, params, self.params))
             and all(p.shape == s for p, s in zip(params, self.shapes, strict=True))
+            and all(p.stride() == s for p, s in zip(params, self.strides, strict=True))
+            and all(p.dtype == self.dtype for p in params)
             and scope == self.scope
             and all(local(p).device == self.device for p in params)
             and (self.max_exp_avg_sq is not None or not amsgrad)
+            and (self.master is not None) == (master and self.dtype in _HALF_DTYPES)
         )
 
     def _slice(self, buf: torch.Tensor, i: int) -> torch.Tensor:
-        n = self.locals[i].numel()
-        return buf[self.offsets[i] : self.offsets[i] + n].view(self.locals[i].shape)
+        """Slot i of a flat buffer, shaped (and for a dense parameter strided) like it."""
+        t = self.locals[i]
+        flat = buf[self.offsets[i] : self.offsets[i] + t.numel()]
+        if t.is_contiguous() or i in self.staged:
+            return flat.view(t.shape)
+        return flat.as_strided(t.shape, t.stride())
+
+    def stage_in(self, active: list[int]) -> None:
+        """Copy the active non-dense parameters into their staging tensors."""
+        for i in self.staged:
+            if i in active:
+                self.targets[i].copy_(local(self.params[i]))
+
+    def stage_out(self, active: list[int]) -> None:
+        for i in self.staged:
+            if i in active:
+                local(self.params[i]).copy_(self.targets[i])
 
     def owns(self, i: int, entry) -> bool:
         """``entry`` holds exactly the views of slot i for every key this bucket manages,
@@ -156,10 +212,12 @@ class Bucket:
     def _address(self, key: str, i: int) -> int:
         if key == "step":
             return self.steps.data_ptr() + 4 * i
-        return getattr(self, key).data_ptr() + 4 * self.offsets[i]
+        buf = self._buffer(key)
+        return buf.data_ptr() + buf.element_size() * self.offsets[i]
 
     def write_slot(self, i: int, step: float, values: dict) -> None:
-        """Slot i := ``step`` and the moments in ``values`` (zeros for a missing one)."""
+        """Slot i := ``step`` and the moments in ``values`` (zeros for a missing one); the
+        master := ``values``' one, or the parameter's value (Note [Master weights])."""
         self.steps[i].fill_(step)
         for key in STATE_KEYS:
             buf = getattr(self, key)
@@ -170,14 +228,17 @@ class Bucket:
                 self._slice(buf, i).zero_()
             else:
                 self._slice(buf, i).copy_(local(src))
+        if self.master is not None:
+            src = values.get(MASTER_KEY)
+            self._slice(self.master, i).copy_(local(self.params[i]) if src is None else local(src))
         self.zeroed[i] = False
 
     def install(self, i: int, entry, with_max: bool) -> None:
         """Put slot i's views into ``entry`` (a state dict entry, mutated in place)."""
         p = self.params[i]
         views = {"step": self.steps[i]}
-        for key in STATE_KEYS:
-            buf = getattr(self, key)
+        for key in (*STATE_KEYS, MASTER_KEY):
+            buf = self._buffer(key)
             if buf is not None and (key != "max_exp_avg_sq" or with_max):
                 views[key] = _wrap_like(self._slice(buf, i), p)
         entry.update(views)
@@ -193,7 +254,7 @@ class Bucket:
 
     def init_fresh(self, i: int, state, amsgrad: bool) -> None:
         """Fresh zero state for params[i], at its first step with a gradient."""
-        if not self.zeroed[i]:  # it held the state of an entry since removed
+        if not self.zeroed[i] or self.master is not None:  # a removed entry's, or a master
             self.write_slot(i, 0.0, {})
         self.install(i, state[self.params[i]], amsgrad)
         self.zeroed[i] = False
@@ -228,6 +289,22 @@ def _same(a, b) -> bool:
     return a is b
 
 
+def is_dense(t: torch.Tensor) -> bool:
+    """Whether ``t``'s elements fill one gap-free range of memory without overlap
+    (at::Tensor::is_non_overlapping_and_dense, which Python does not expose): contiguous,
+    or a permutation of a contiguous layout (Note [Dense layouts] in csrc/bindings.cpp)."""
+    if t.is_contiguous():
+        return True
+    expected = 1
+    for stride, size in sorted(
+        (st, n) for n, st in zip(t.shape, t.stride(), strict=True) if n != 1
+    ):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
 def _wrap_like(local_view: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
     """State for a DTensor parameter is a DTensor with the parameter's mesh and
     placements around the local slice; for a plain tensor it is the slice itself."""
@@ -240,27 +317,53 @@ def _wrap_like(local_view: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
     )
 
 
-def check_fused_param(p, gi: int, j: int) -> None:
-    """What the kernel needs of a parameter; a non-tensor is left to torch's own error."""
+def check_fused_param(p, gi: int, j: int, group=None, built: bool = True) -> None:
+    """What the kernel needs of a parameter; a non-tensor is left to torch's own error.
+    ``built=False`` (construction): a meta parameter is accepted, as torch's fused path
+    does, so that an optimizer can be built before the model is materialized; the step
+    checks the device."""
     if not isinstance(p, torch.Tensor):
         return
-    if p.is_complex() or not p.is_floating_point():
+    where = f"param group {gi} parameter {j}"
+    if p.dtype not in FUSED_DTYPES:
         raise ValueError(
-            f"fused_step=True supports real floating parameters only; param group {gi} "
-            f"parameter {j} is {p.dtype}"
+            f"fused_step=True supports float32, float64, float16 and bfloat16 parameters; "
+            f"{where} is {p.dtype}. Use fused_step=False for this group"
         )
-    if p.dtype != torch.float32:
+    if group is not None and p.dtype == torch.float16 and group.get("stochastic_rounding"):
         raise ValueError(
-            f"fused_step=True needs float32 (master) parameters; param group {gi} parameter {j} "
-            f"is {p.dtype}. Keep FP32 master weights, or use fused_step=False for this group"
+            f"stochastic_rounding=True is implemented for bfloat16 parameters; {where} is "
+            "float16. Use master_weights=True for float16 parameters"
         )
     t = local(p)
-    if not t.is_contiguous():
-        raise ValueError(
-            f"fused_step=True needs contiguous parameters; param group {gi} parameter {j} has "
-            f"strides {tuple(t.stride())}"
+    if t.is_meta and not built:
+        return
+    if t.is_meta:
+        raise RuntimeError(
+            f"{where} is on the meta device, which holds no values to step: materialize the "
+            "model (e.g. model.to_empty(device=...) and initialize it) before optimizer.step()"
         )
     check_device(t.device, "ruda_torch.AdamW(fused_step=True)")
+
+
+def check_group_options(group: dict, gi) -> None:
+    """The param-group options of the fused path that depend on each other."""
+    where = "" if gi is None else f" (param group {gi})"
+    if group.get("master_weights") and group.get("stochastic_rounding"):
+        raise ValueError(
+            f"master_weights=True and stochastic_rounding=True exclude each other{where}: the "
+            "master keeps the exact value, stochastic rounding is the way to go without one"
+        )
+    if (group.get("master_weights") or group.get("stochastic_rounding")) and not group.get(
+        "fused_step"
+    ):
+        raise ValueError(
+            f"master_weights and stochastic_rounding require fused_step=True{where} (they are "
+            "options of the native kernel)"
+        )
+    seed = group.get("rounding_seed", 0)
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise ValueError(f"rounding_seed must be an int{where}, got {type(seed).__name__}")
 
 
 def check_no_duplicates(params: list, gi: int) -> None:
@@ -291,22 +394,19 @@ class FusedPlan:
         self._state = opt.state
         containers = [opt.state]
         expected = [x for item in opt.state.items() for x in item]
-        tensors, shapes, buffers = [], [], []
+        tensors, buffers = [], []
         for _, group, buckets in self.groups:
             containers.append(group["params"])
             expected.extend(group["params"])
             for b in buckets:
                 tensors.extend(b.params)
-                for shape in b.shapes:
-                    shapes.append(len(shape))
-                    shapes.extend(shape)
                 buffers.extend(b.buffers)
                 for entry in b.entries:
                     if entry is not None:
                         containers.append(entry)
                         expected.extend(x for item in entry.items() for x in item)
         self._params_lists = [g["params"] for _, g, _ in self.groups]
-        shapes = torch.tensor(shapes, dtype=torch.int64)
+        shapes = torch.tensor(_C.layout_record(tensors), dtype=torch.int64)
         counts = torch.tensor(_C.use_counts(buffers), dtype=torch.int64)
         self._check = (containers, expected, tensors, shapes, buffers, counts)
 
@@ -328,25 +428,30 @@ class FusedPlan:
 
 
 def _flags(group: dict) -> tuple:
-    return (bool(group.get("fused_step")), bool(group.get("amsgrad")))
+    return (
+        bool(group.get("fused_step")),
+        bool(group.get("amsgrad")),
+        bool(group.get("master_weights")),
+    )
 
 
 def split_group(opt, gi: int, group: dict, needs_global: bool) -> list:
     """The buckets' parameters of a fused group: (scope, parameters, their positions) per
-    device, after checking every parameter; writes nothing."""
+    device and dtype, after checking every parameter; writes nothing."""
     params = group["params"]
+    check_group_options(group, gi)
     for j, p in enumerate(params):
-        check_fused_param(p, gi, j)
+        check_fused_param(p, gi, j, group)
     check_no_duplicates(params, gi)
     by_device: dict = {}
     for j, p in enumerate(params):
-        dev = local(p).device
+        dev = (local(p).device, p.dtype)
         scope = scope_of(p, opt.process_group, needs_global, f"param group {gi} parameter {j}")
         if dev in by_device and by_device[dev][0] != scope:
             first = by_device[dev][2][0]
             raise ValueError(
                 f"param group {gi} mixes parameters sharded over different process groups "
-                f"on {dev}: parameter {first} over {by_device[dev][0].describe()}, "
+                f"on {dev[0]}: parameter {first} over {by_device[dev][0].describe()}, "
                 f"parameter {j} over {scope.describe()}; put them in separate param groups"
             )
         by_device.setdefault(dev, (scope, [], []))
@@ -379,13 +484,14 @@ def derive(opt, previous: FusedPlan | None, needs_global: bool) -> FusedPlan:
                     "belongs to one group (torch's add_param_group enforces this too)"
                 )
         amsgrad = bool(group["amsgrad"])
+        master = bool(group.get("master_weights"))
         buckets = []
         for scope, ps, js in split_group(opt, gi, group, needs_global):
             b = kept.pop(tuple(map(id, ps)), None)
-            if b is not None and b.can_serve(ps, scope, amsgrad):
+            if b is not None and b.can_serve(ps, scope, amsgrad, master):
                 reused.append(b)
             else:
-                b = Bucket(ps, amsgrad, scope)
+                b = Bucket(ps, amsgrad, scope, master)
             buckets.append(b)
             for i, (p, j) in enumerate(zip(ps, js, strict=True)):
                 where = f"optimizer.state of param group {gi} parameter {j}"
@@ -410,7 +516,7 @@ def derive(opt, previous: FusedPlan | None, needs_global: bool) -> FusedPlan:
     staged = []
     for b, i, p, entry, step, with_max in adopt:
         values = {}
-        for key in STATE_KEYS:
+        for key in (*STATE_KEYS, MASTER_KEY):
             value = entry.get(key)
             if isinstance(value, torch.Tensor):
                 value = local(value)

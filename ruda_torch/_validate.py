@@ -9,13 +9,21 @@ from collections.abc import Mapping
 import torch
 
 
-def check_hyperparameters(lr, betas, eps, weight_decay) -> None:
+def check_hyperparameters(lr, betas, eps, weight_decay, read_values: bool = True) -> None:
+    """torch.optim.AdamW's checks, with its messages. A Tensor lr (one element, as torch
+    allows; read by the kernel from memory) has its value checked only where
+    ``read_values``: at construction and ``add_param_group``, as torch does, and not at
+    every step, where reading a CUDA value would be a host sync."""
     if isinstance(lr, torch.Tensor):
-        raise ValueError(
-            "ruda_torch does not take lr as a Tensor (the kernel reads it as a float "
-            "argument); pass a Python float"
-        )
-    if not 0.0 <= lr or not math.isfinite(lr):
+        if lr.numel() != 1:
+            raise ValueError("Tensor lr must be 1-element")
+        if lr.is_complex() or not lr.is_floating_point():
+            raise ValueError(f"Tensor lr must be a floating tensor, got {lr.dtype}")
+        if read_values and not lr.is_meta:
+            value = float(lr.detach().reshape(()).cpu())
+            if not 0.0 <= value or not math.isfinite(value):
+                raise ValueError(f"Invalid learning rate: {lr}")
+    elif not 0.0 <= lr or not math.isfinite(lr):
         raise ValueError(f"Invalid learning rate: {lr}")
     if not 0.0 <= eps or not math.isfinite(eps):
         raise ValueError(f"Invalid epsilon value: {eps}")
@@ -85,6 +93,9 @@ def step_value(value, where: str) -> float:
 
 
 STATE_KEYS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
+# The FP32 master copy of a 16-bit parameter (master_weights; Note [Master weights] in
+# ruda_torch/_fused.py). torch.optim.AdamW carries it along as an unknown key.
+MASTER_KEY = "master_param"
 REQUIRED_KEYS = ("step", "exp_avg", "exp_avg_sq")
 
 
@@ -106,7 +117,7 @@ def check_state_entry(entry, p: torch.Tensor, where: str) -> float:
         raise ValueError(f"{where} must be a dict (torch.optim.AdamW's layout), got "
                          f"{type(entry).__name__}")  # fmt: skip
     check_required_keys(entry, where)
-    for key in STATE_KEYS:
+    for key in (*STATE_KEYS, MASTER_KEY):
         if key not in entry:
             continue
         value = entry[key]

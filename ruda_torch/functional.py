@@ -25,7 +25,9 @@ _GRAD_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 @dataclass(frozen=True)
 class AdamWOptions:
-    """Hyperparameters of one update; the defaults are ruda_torch's (not torch's)."""
+    """Hyperparameters of one update; the defaults are ruda_torch's (not torch's). ``lr``
+    may be a one-element tensor (on the CPU or the master's device), read from memory by
+    the kernel."""
 
     lr: float = 1e-3
     betas: tuple[float, float] = (0.9, 0.999)
@@ -190,6 +192,14 @@ def adamw_step(
                                None if max_sq is None else max_sq.view_as(params))  # fmt: skip
         if control.skip_update is True:
             return StepResult(params, new_state, False)
+        lr, lr_tensor = options.lr, None
+        if isinstance(lr, torch.Tensor):  # read from memory (on the CPU: at the call)
+            lr_tensor = lr.detach().reshape(1)
+            if lr_tensor.device.type != "cpu" and lr_tensor.device != device:
+                lr_tensor = lr_tensor.to(device, non_blocking=device.type == "cuda")
+            if lr_tensor.dtype not in (torch.float32, torch.float64):
+                lr_tensor = lr_tensor.to(torch.float64)
+            lr = 0.0
         ops.adamw_scaled_(
             [params.view(-1)],
             [gradient.detach().contiguous().view(-1)],
@@ -198,7 +208,8 @@ def adamw_step(
             None if max_sq is None else max_sq.view(-1),
             steps,
             torch.zeros((1, 2), dtype=torch.int64),
-            lr=options.lr,
+            lr=lr,
+            lr_tensor=lr_tensor,
             beta1=options.betas[0],
             beta2=options.betas[1],
             eps=options.eps,

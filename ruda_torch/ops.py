@@ -32,13 +32,29 @@ def adamw_scaled_(
     stats: torch.Tensor | None = None,
     max_grad_norm: float = 0.0,
     clip_coef: torch.Tensor | None = None,
+    master: torch.Tensor | None = None,
+    lr_tensor: torch.Tensor | None = None,
+    stochastic_rounding: bool = False,
+    seed: int = 0,
 ) -> None:
     """In-place AdamW/AMSGrad over one bucket (docs/semantics.md).
 
-    ``params[i]`` (FP32, contiguous) owns the elements ``[off, off + numel)`` of the flat
-    FP32 state buffers and the step counter ``steps[sid]``, where ``(off, sid) =
-    slots[i]`` (a CPU int64 tensor of shape ``[len(params), 2]``). ``grads`` share one
-    dtype (FP32, FP16 or BF16) and are never written. ``grad_scale``/``found_inf``
+    ``params[i]`` (one dtype: FP32, FP64, FP16 or BF16; dense, i.e. contiguous or a
+    permutation of a contiguous layout such as a transpose or channels_last) owns the
+    elements ``[off, off + numel)`` of the flat state buffers, in its memory order, and the
+    step counter ``steps[sid]``, where ``(off, sid) = slots[i]`` (a CPU int64 tensor of
+    shape ``[len(params), 2]``). The state buffers are FP64 for FP64 parameters and FP32
+    otherwise. ``grads`` share one dtype (FP32, FP16 or BF16 for FP32 parameters; the
+    parameters' dtype or FP32 for 16-bit ones; FP64 for FP64 ones), lay out their elements
+    as their parameters do, and are never written.
+
+    16-bit parameters (Note [Parameter dtypes] in csrc/adamw_math.h): the update is
+    computed in FP32 from ``master`` (a flat FP32 buffer like ``exp_avg``, updated in
+    place) when given, else from the parameter, and written back rounded to nearest even,
+    or for BF16 without ``master`` stochastically with ``stochastic_rounding`` (random
+    bits from ``seed``, the step counter and the element's state offset). ``lr_tensor``
+    (one FP32/FP64 element) replaces ``lr``: on the CPU it is read at the call, on the
+    parameters' device by the kernel. ``grad_scale``/``found_inf``
     (1 element), ``stats`` (the 3-float report) and ``clip_coef`` (1 element) live on
     the parameters' device and are read by the kernel: no host sync. The step is skipped
     (nothing written, counters unchanged) when ``found_inf != 0`` or ``stats[2] != 0``.
@@ -49,7 +65,8 @@ def adamw_scaled_(
         _ops.adamw_scaled_, params, grads, exp_avg, exp_avg_sq, max_exp_avg_sq, steps, slots,
         lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, maximize=maximize,
         grad_scale=grad_scale, found_inf=found_inf, stats=stats, max_grad_norm=max_grad_norm,
-        clip_coef=clip_coef,
+        clip_coef=clip_coef, master=master, lr_tensor=lr_tensor,
+        stochastic_rounding=stochastic_rounding, seed=seed,
     )  # fmt: skip
 
 
@@ -80,12 +97,24 @@ def _call(
     stats=None,
     max_grad_norm=0.0,
     clip_coef=None,
+    master=None,
+    lr_tensor=None,
+    stochastic_rounding=False,
+    seed=0,
 ) -> None:
     op(
         params, grads, exp_avg, exp_avg_sq, max_exp_avg_sq, steps, slots,
         grad_scale, found_inf, stats, clip_coef,
         lr, beta1, beta2, eps, weight_decay, max_grad_norm, maximize,
+        master=master, lr_tensor=lr_tensor, rounding=1 if stochastic_rounding else 0,
+        seed=_seed64(seed),
     )  # fmt: skip
+
+
+def _seed64(seed: int) -> int:
+    """The seed as the schema's signed int64 (its 64 bits are what the kernel hashes)."""
+    seed = int(seed) & (2**64 - 1)
+    return seed - 2**64 if seed >= 2**63 else seed
 
 
 def analyze_gradient(
@@ -137,21 +166,27 @@ def _same_device(op: str, named) -> None:
 @torch.library.register_fake("ruda_torch::adamw_scaled_")
 def _adamw_scaled_fake(params, grads, exp_avg, exp_avg_sq, max_exp_avg_sq, steps, slots,
                        grad_scale, found_inf, stats, clip_coef, lr, beta1, beta2, eps,
-                       weight_decay, max_grad_norm, maximize):  # fmt: skip
+                       weight_decay, max_grad_norm, maximize, *, master=None, lr_tensor=None,
+                       rounding=0, seed=0):  # fmt: skip
     _same_device("adamw_scaled_", [
         ("params", params), ("grads", grads), ("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq),
         ("max_exp_avg_sq", max_exp_avg_sq), ("steps", steps), ("grad_scale", grad_scale),
-        ("found_inf", found_inf), ("stats", stats), ("clip_coef", clip_coef),
+        ("found_inf", found_inf), ("stats", stats), ("clip_coef", clip_coef), ("master", master),
     ])  # fmt: skip
     if slots.is_meta and exp_avg.device.type != "meta":
         raise RuntimeError(
             "ruda_torch.adamw_scaled_: slots is a meta tensor; it must be a CPU int64 tensor"
         )
+    if lr_tensor is not None and lr_tensor.is_meta and exp_avg.device.type != "meta":
+        raise RuntimeError(
+            f"ruda_torch.adamw_scaled_: lr_tensor is a meta tensor; it must be on the CPU or "
+            f"on {exp_avg.device} with the parameters"
+        )
 
 
 @torch.library.register_fake("ruda_torch::check_adamw_scaled")
-def _check_adamw_scaled_fake(*args):
-    _adamw_scaled_fake(*args)
+def _check_adamw_scaled_fake(*args, **kwargs):
+    _adamw_scaled_fake(*args, **kwargs)
 
 
 @torch.library.register_fake("ruda_torch::analyze_gradient")

@@ -51,6 +51,8 @@ __all__ = ["AdamW", "GradientReport"]
 _TORCH_GROUP_KEYS = dict(
     foreach=None, capturable=False, differentiable=False, fused=None, decoupled_weight_decay=True
 )
+# The fused path's options for 16-bit parameters (param-group keys), with their defaults.
+_ROUNDING_KEYS = dict(master_weights=False, stochastic_rounding=False, rounding_seed=0)
 # Optimizer-wide options that change the math, and the last report: pickled with the
 # optimizer (torch's Optimizer pickles only defaults, state and param_groups).
 _OPTIONS = dict(hierarchical_stats=False, max_grad_norm=None, process_group=None, last_report=None)
@@ -96,8 +98,18 @@ class AdamW(Optimizer):
         amsgrad (bool, default False): use the AMSGrad maximum.
         maximize (bool, default False): maximize the objective.
         fused_step (bool, default False): run the native in-place kernel on flat
-            buckets (Note [Buckets]); a param-group option. Requires FP32 parameters.
-            ``False`` is the generic tensor-operation path that works anywhere.
+            buckets (Note [Buckets]); a param-group option. Takes FP32, FP64, FP16 and
+            BF16 parameters of any layout (FP64 math for FP64, FP32 math and FP32 moments
+            for the others). ``False`` is the generic tensor-operation path that works
+            anywhere.
+        master_weights (bool, default False): for FP16/BF16 parameters of a fused group,
+            keep an FP32 master copy (``state[p]["master_param"]``) that the kernel
+            updates, writing the parameter rounded to nearest even from it in the same
+            pass (Note [Master weights]). A param-group option.
+        stochastic_rounding (bool, default False): for BF16 parameters of a fused group
+            without master weights, round the FP32 result to BF16 stochastically
+            (unbiased), reproducibly from ``rounding_seed`` (int, default 0), the step
+            counter and the element's position. Param-group options.
         hierarchical_stats (bool, default False): before any update, compute one
             12-byte gradient report over all active groups with the native statistics
             kernels; a non-finite gradient skips the step and ``max_grad_norm`` clips
@@ -137,6 +149,9 @@ class AdamW(Optimizer):
         *,
         maximize: bool = False,
         fused_step: bool = False,
+        master_weights: bool = False,
+        stochastic_rounding: bool = False,
+        rounding_seed: int = 0,
         hierarchical_stats: bool = False,
         max_grad_norm: float | None = None,
         process_group=None,
@@ -162,7 +177,11 @@ class AdamW(Optimizer):
             maximize=maximize,
             **_TORCH_GROUP_KEYS,
             fused_step=fused_step,
+            master_weights=master_weights,
+            stochastic_rounding=stochastic_rounding,
+            rounding_seed=rounding_seed,
         )
+        _fused.check_group_options(defaults, None)
         super().__init__(params, defaults)
 
     # ------------------------------------------------------------------ pickling
@@ -179,6 +198,8 @@ class AdamW(Optimizer):
             group.setdefault("amsgrad", False)
             group.setdefault("maximize", False)
             group.setdefault("fused_step", self.defaults.get("fused_step", False))
+            for k, v in _ROUNDING_KEYS.items():
+                group.setdefault(k, self.defaults.get(k, v))
             for k, v in _TORCH_GROUP_KEYS.items():
                 group.setdefault(k, v)
             group["decoupled_weight_decay"] = True  # as torch.optim.AdamW: always decoupled
@@ -198,6 +219,8 @@ class AdamW(Optimizer):
     def add_param_group(self, param_group: dict) -> None:
         merged = {**self.defaults, **{k: v for k, v in param_group.items() if k != "params"}}
         check_hyperparameters(merged["lr"], merged["betas"], merged["eps"], merged["weight_decay"])
+        gi = len(self.param_groups)
+        _fused.check_group_options(merged, gi)
         if self.hierarchical_stats and not merged["fused_step"]:
             raise ValueError(
                 "hierarchical_stats=True requires fused_step=True in every param group"
@@ -211,9 +234,8 @@ class AdamW(Optimizer):
         # pairs are split by torch's add_param_group below.
         if merged["fused_step"]:
             tensors = [p[1] if isinstance(p, tuple) and len(p) == 2 else p for p in params]
-            gi = len(self.param_groups)
             for j, p in enumerate(tensors):
-                _fused.check_fused_param(p, gi, j)
+                _fused.check_fused_param(p, gi, j, merged, built=False)
             _fused.check_no_duplicates(tensors, gi)
         super().add_param_group({**param_group, "params": params})
 
@@ -244,7 +266,10 @@ class AdamW(Optimizer):
             id_to_param.update(zip(saved["params"], current["params"], strict=True))
             g = dict(saved)
             g.setdefault("fused_step", current["fused_step"])
+            for k in _ROUNDING_KEYS:
+                g.setdefault(k, current[k])
             check_hyperparameters(g["lr"], g["betas"], g["eps"], g["weight_decay"])
+            _fused.check_group_options(g, gi)
             if self.hierarchical_stats and not g["fused_step"]:
                 raise ValueError(f"loaded param group {gi} has fused_step=False but "
                                  "hierarchical_stats=True requires it")  # fmt: skip
@@ -284,13 +309,15 @@ class AdamW(Optimizer):
 
         # Phase 1: gather and validate everything; nothing is written before phase 2.
         for group in self.param_groups:
-            check_hyperparameters(group["lr"], group["betas"], group["eps"], group["weight_decay"])
+            check_hyperparameters(
+                group["lr"], group["betas"], group["eps"], group["weight_decay"], read_values=False
+            )
         plan = self._current_plan()
         calls: list[_FusedCall] = []
         fresh: list[tuple[_fused.Bucket, int, bool]] = []  # slots that get state now
         for gi, group, buckets in plan.groups:
             for b in buckets:
-                grads, missing, mixed = _C.grads_of(b.params)
+                grads, missing, mixed, relayout = _C.grads_of(b.params)
                 if not missing:
                     active = b.all_slots
                 else:
@@ -302,6 +329,10 @@ class AdamW(Optimizer):
                     fresh.extend((b, i, group["amsgrad"]) for i in active if b.views[i] is None)
                 if b.distributed:
                     grads = [local(g) for g in grads]
+                if relayout:
+                    grads = [
+                        _in_layout(b.targets[i], g) for i, g in zip(active, grads, strict=True)
+                    ]
                 call = _FusedCall(b, group, active, grads, gi)
                 calls.extend(_split_by_dtype(call) if mixed else (call,))
         new_state = bool(fresh)  # phase 2 writes before the first kernel call
@@ -396,16 +427,26 @@ class AdamW(Optimizer):
     def _run(self, op, c: _FusedCall, grad_scale, found_inf, stats, clip_coef, per_device):
         """One kernel call (``adamw_scaled_``) or its validation (``check_adamw_scaled``)."""
         b, g, dev = c.bucket, c.group, c.bucket.device
+        lr = g["lr"]
+        lr_tensor = None
+        if isinstance(lr, torch.Tensor):  # read by the kernel (on the CPU: by the binding)
+            lr_tensor = lr if lr.device.type == "cpu" else per_device.get(lr, dev)
+            if lr_tensor.dtype not in (torch.float32, torch.float64):
+                lr_tensor = lr_tensor.to(torch.float64)
+            lr = 0.0
+        writes = op is ops.adamw_scaled_
+        if writes and b.staged:
+            b.stage_in(c.active)
         try:
             op(
-                b.locals if len(c.active) == len(b.params) else [b.locals[i] for i in c.active],
+                b.targets if len(c.active) == len(b.params) else [b.targets[i] for i in c.active],
                 c.grads,
                 b.exp_avg,
                 b.exp_avg_sq,
                 b.max_exp_avg_sq if g["amsgrad"] else None,
                 b.steps,
                 b.slots(c.active),
-                lr=g["lr"],
+                lr=lr,
                 beta1=g["betas"][0],
                 beta2=g["betas"][1],
                 eps=g["eps"],
@@ -418,6 +459,10 @@ class AdamW(Optimizer):
                 if stats is not None and self.max_grad_norm
                 else 0.0,
                 clip_coef=per_device.get(clip_coef, dev),
+                master=b.master,
+                lr_tensor=lr_tensor,
+                stochastic_rounding=bool(g["stochastic_rounding"]) and b.dtype == torch.bfloat16,
+                seed=g["rounding_seed"],
             )
         except RuntimeError as e:
             # The operator counts the call's tensors: name the group, and the parameter
@@ -427,6 +472,24 @@ class AdamW(Optimizer):
                 where += " (tensor indices below count its parameters with a gradient on "
                 where += f"{dev}: group positions {_positions(g, b, c.active)})"
             raise RuntimeError(f"{where}: {e}") from e
+        if writes and b.staged:
+            b.stage_out(c.active)
+
+
+def _in_layout(target: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """``g``, or a copy of it laid out in memory as the kernel steps ``target`` (Note
+    [Dense layouts] in csrc/bindings.cpp): the gradient of a dense parameter with other
+    strides, or a non-contiguous one for a staged parameter. Autograd's gradients need
+    none. A gradient of another shape or a sparse one is left for the binding's error."""
+    if g.shape != target.shape or g.layout != torch.strided:
+        return g
+    if not target.is_contiguous() and _fused.is_dense(target):
+        if _fused.is_dense(g) and all(
+            n <= 1 or a == b for n, a, b in zip(target.shape, target.stride(), g.stride())
+        ):
+            return g
+        return torch.empty_like(target, dtype=g.dtype).copy_(g)
+    return g if g.is_contiguous() else g.contiguous()
 
 
 def _positions(group: dict, b: _fused.Bucket, active: list[int]) -> str:

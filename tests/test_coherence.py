@@ -83,7 +83,8 @@ def set_grads(opt, step: int) -> None:
     for gi, group in enumerate(opt.param_groups):
         for j, p in enumerate(group["params"]):
             sits_out = (gi, j) == SITS_OUT and step % 3 == 1
-            p.grad = None if sits_out else rand(p.shape, 1000 * step + 10 * gi + j) * 0.3
+            g = rand(p.shape, 1000 * step + 10 * gi + j) * 0.3
+            p.grad = None if sits_out else g.to(p.dtype)
 
 
 def step_all(opts, step: int) -> None:
@@ -240,6 +241,21 @@ def _new_storage(opt):
     p.data = rand(p.shape, 15)
 
 
+def _new_layout(opt):
+    """The same values in another memory order (a transposed layout, same shape): the
+    state slot must follow the parameter's memory order (Note [Dense layouts])."""
+    p = _p(opt, 0, 1)
+    p.data = p.data.t().contiguous().t()
+    assert not p.is_contiguous()
+
+
+def _new_dtype_fresh_state(opt):
+    """A parameter made FP64 and started afresh: its bucket gets FP64 state."""
+    p = _p(opt, 0, 2)
+    p.data = p.data.double()
+    opt.state.pop(p, None)
+
+
 def _resize_param_without_state(opt):
     """A parameter that has no state yet may change shape (torch starts it afresh)."""
     p = _p(opt, 1, 2)
@@ -289,6 +305,8 @@ MUTATIONS = {
     "new group dict": _new_group_dict,
     "delete group": _delete_group,
     "p.data, same shape": _new_storage,
+    "p.data, other layout": _new_layout,
+    "p.data FP64, fresh state": _new_dtype_fresh_state,
     "resize param without state": _resize_param_without_state,
     "toggle fused_step": _toggle_fused,
     "load torch checkpoint": _load_torch_checkpoint,
@@ -402,12 +420,6 @@ def _param_in_two_groups(opt, model_side):
     opt.param_groups[1]["params"].append(opt.param_groups[0]["params"][0])
 
 
-def _fp64_param(opt, model_side):
-    p = _p(opt, 0, 2)
-    p.data = p.data.double()
-    p.grad = p.grad.double()
-
-
 def _sparse_grad_last_group(opt, model_side):
     p = _p(opt, 1, 0)
     p.grad = p.grad.to_sparse()
@@ -450,7 +462,6 @@ REJECTIONS = {
     "step meta": (_bad_step(torch.tensor(3.0, device="meta")), tuple(MODES), ValueError, "meta"),
     "duplicate param": (_duplicate_param, ("fused", "mixed"), ValueError, "twice"),
     "param in two groups": (_param_in_two_groups, ("fused",), ValueError, "param groups 0 and 1"),
-    "float64 param (fused)": (_fp64_param, ("fused", "mixed"), RuntimeError, "float32"),
     "sparse grad in the last group": (
         _sparse_grad_last_group, ("fused", "mixed", "generic"), RuntimeError, "sparse"
     ),

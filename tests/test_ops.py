@@ -914,19 +914,37 @@ BAD_INPUTS = [
         r"grads\[1\] must have the same shape as params\[1\] \(got \[1, 7\] vs \[7\]\)",
     ),
     (
-        "param_float64",
-        _set("params", _replace(0, lambda p: p.double())),
-        r"params\[0\] must be float32 \(FP32 master weights; got Double\)",
+        "param_float64_among_float32",
+        _set("params", _replace(1, lambda p: p.double())),
+        r"params\[1\] is float64 but params\[0\] is float32; one call takes one parameter dtype",
     ),
     (
-        "param_float16",
+        "param_float16_among_float32",
         _set("params", _replace(1, lambda p: p.half())),
-        r"params\[1\] must be float32",
+        r"params\[1\] is float16 but params\[0\] is float32",
+    ),
+    (
+        "param_int",
+        _set("params", lambda ps: [p.to(torch.int32) for p in ps]),
+        r"params\[0\] must be float32, float64, float16 or bfloat16 \(got Int\)",
+    ),
+    (
+        "params_float64_with_float32_state",
+        _set("params", lambda ps: [p.double() for p in ps]),
+        r"exp_avg must be float64 \(got Float\)",
     ),
     (
         "grad_float64",
         _set("grads", lambda gs: [g.double() for g in gs]),
-        r"grads\[0\] must be float32, float16 or bfloat16 \(got Double\)",
+        r"grads\[0\] is float64; float32 parameters take float32, float16 or bfloat16 gradients",
+    ),
+    (
+        "bf16_params_fp16_grads",
+        lambda c: (
+            setattr(c, "params", [p.bfloat16() for p in c.params]),
+            setattr(c, "grads", [g.half() for g in c.grads]),
+        ),
+        r"grads\[0\] is float16; bfloat16 parameters take bfloat16 or float32 gradients",
     ),
     (
         "mixed_grad_dtypes",
@@ -934,14 +952,79 @@ BAD_INPUTS = [
         r"grads\[2\] is BFloat16 but grads\[0\] is Float; one call takes one gradient dtype",
     ),
     (
-        "param_not_contiguous",
-        _set("params", _replace(2, lambda p: torch.randn(3, 2).t())),
-        r"params\[2\] must be a dense contiguous tensor \(got strides \[1, 2\]\)",
+        "param_not_dense",
+        _set("params", _replace(2, lambda p: torch.randn(2, 6)[:, ::2])),
+        r"params\[2\] must be dense \(contiguous, or a permutation of a contiguous tensor; got "
+        r"shape \[2, 3\] with strides \[6, 2\]\)",
     ),
     (
-        "grad_not_contiguous",
+        "grad_not_dense",
+        _set("grads", _replace(2, lambda g: torch.randn(2, 6)[:, ::2])),
+        r"grads\[2\] must be dense",
+    ),
+    (
+        "grad_layout_differs",
         _set("grads", _replace(2, lambda g: torch.randn(3, 2).t())),
-        r"grads\[2\] must be contiguous \(got strides \[1, 2\]\)",
+        r"grads\[2\] must lay its elements out in memory as params\[2\] does \(strides "
+        r"\[1, 2\] vs \[3, 1\]\)",
+    ),
+    (
+        "master_for_float32_params",
+        _kw(master=lambda: torch.zeros(20)),
+        r"master weights are for float16 and bfloat16 parameters; params are float32",
+    ),
+    (
+        "master_wrong_size",
+        lambda c: (
+            setattr(c, "params", [p.bfloat16() for p in c.params]),
+            _kw(master=lambda: torch.zeros(19))(c),
+        ),
+        r"master must have as many elements as exp_avg \(got 19 vs 20\)",
+    ),
+    (
+        "master_float16",
+        lambda c: (
+            setattr(c, "params", [p.bfloat16() for p in c.params]),
+            _kw(master=lambda: torch.zeros(20, dtype=torch.float16))(c),
+        ),
+        r"master must be float32 \(got Half\)",
+    ),
+    (
+        "master_aliases_exp_avg",
+        lambda c: (
+            setattr(c, "params", [p.bfloat16() for p in c.params]),
+            _kw(master=lambda: c.exp_avg)(c),
+        ),
+        r"overlaps .* in memory; every written tensor must own its storage",
+    ),
+    (
+        "stochastic_rounding_float32",
+        _kw(stochastic_rounding=True),
+        r"stochastic rounding \(rounding=1\) is for bfloat16 parameters without master "
+        r"weights; params are float32",
+    ),
+    (
+        "stochastic_rounding_with_master",
+        lambda c: (
+            setattr(c, "params", [p.bfloat16() for p in c.params]),
+            _kw(master=lambda: torch.zeros(20), stochastic_rounding=True)(c),
+        ),
+        r"params are bfloat16 with master weights",
+    ),
+    (
+        "lr_tensor_two_elements",
+        _kw(lr_tensor=lambda: torch.tensor([1e-3, 1e-3])),
+        r"lr_tensor must be a float32 or float64 tensor of one element \(got Float \[2\]\)",
+    ),
+    (
+        "lr_tensor_int",
+        _kw(lr_tensor=lambda: torch.tensor(1)),
+        r"lr_tensor must be a float32 or float64 tensor of one element \(got Long \[\]\)",
+    ),
+    (
+        "lr_tensor_negative",
+        _kw(lr_tensor=lambda: torch.tensor(-1e-3)),
+        r"invalid learning rate \(lr_tensor >= 0\): -0\.001",
     ),
     (
         "sparse_grad",
@@ -1122,6 +1205,16 @@ def test_check_adamw_scaled_raises_what_adamw_scaled_raises(breaker, message):
     assert str(checked.value).split(": ", 1)[1] == str(ran.value).split(": ", 1)[1]
     for i, (a, b) in enumerate(zip(saved, tensors, strict=True)):
         assert same_bits(a, b), f"tensor {i} changed although the call was rejected"
+
+
+def test_meta_lr_tensor_with_cpu_tensors_is_rejected():
+    """A stray meta lr_tensor sends the call to the fake kernel, which would do nothing."""
+    call = Call()
+    call.kwargs["lr_tensor"] = torch.tensor(1e-3, device="meta")
+    saved = [t.clone() for t in call.tensors()[:-1]]
+    with pytest.raises(RuntimeError, match=r"lr_tensor is a meta tensor; it must be on the CPU"):
+        call.run()
+    assert all(same_bits(a, b) for a, b in zip(saved, call.tensors()[:-1], strict=True))
 
 
 def test_check_adamw_scaled_accepts_good_arguments_and_writes_nothing():
@@ -1307,6 +1400,17 @@ def test_adamw_step_fresh_state(amsgrad):
     second = ruda_torch.adamw_step(result.parameters, grad, result.state, options)
     assert second.state.step.item() == 2.0
     assert result.state.step.item() == 1.0
+
+
+@pytest.mark.parametrize("lr_dtype", [torch.float32, torch.float64])
+def test_adamw_step_tensor_lr_gives_the_bits_of_the_float_lr(lr_dtype):
+    gen = torch.Generator().manual_seed(12)
+    master, grad, state = _functional_inputs(gen, (1025,), torch.float32, amsgrad=False)
+    lr = torch.tensor(3e-3, dtype=lr_dtype)
+    a = ruda_torch.adamw_step(master, grad, state, ruda_torch.AdamWOptions(lr=lr))
+    b = ruda_torch.adamw_step(master, grad, state, ruda_torch.AdamWOptions(lr=float(lr)))
+    assert same_bits(a.parameters, b.parameters)
+    assert same_bits(a.state.exp_avg, b.state.exp_avg)
 
 
 def test_adamw_step_non_contiguous_master():
@@ -1593,7 +1697,9 @@ def test_adamw_step_validation_leaves_inputs_unchanged(breaker, message):
 OPTIONS_ERRORS = [
     (dict(lr=-1.0), r"Invalid learning rate: -1.0"),
     (dict(lr=math.inf), r"Invalid learning rate: inf"),
-    (dict(lr=torch.tensor(1e-3)), r"does not take lr as a Tensor"),
+    (dict(lr=torch.tensor([1e-3, 1e-3])), r"Tensor lr must be 1-element"),
+    (dict(lr=torch.tensor(-1e-3)), r"Invalid learning rate"),
+    (dict(lr=torch.tensor(1)), r"Tensor lr must be a floating tensor"),
     (dict(eps=-1e-8), r"Invalid epsilon value: -1e-08"),
     (dict(betas=(1.0, 0.999)), r"Invalid beta parameter at index 0: 1.0"),
     (dict(betas=(0.9, -0.1)), r"Invalid beta parameter at index 1: -0.1"),

@@ -412,7 +412,8 @@ def test_state_dict_format_is_torchs(mode, amsgrad):
         assert step.item() == st["state"][idx]["step"].item()
     assert len(so["param_groups"]) == len(st["param_groups"])
     for go, gt in zip(so["param_groups"], st["param_groups"], strict=True):
-        assert set(go) - {"fused_step"} == set(gt)
+        ours_only = {"fused_step", "master_weights", "stochastic_rounding", "rounding_seed"}
+        assert set(go) - ours_only == set(gt)
         assert "fused_step" in go
         assert go["params"] == gt["params"]
         for k in gt:
@@ -484,7 +485,7 @@ def test_hierarchical_stats_requires_fused_in_every_group():
         opt.add_param_group({"params": [q], "fused_step": False})
 
 
-FUSED_BAD_DTYPES = [torch.float64, torch.bfloat16, torch.float16, torch.complex64, torch.int32]
+FUSED_BAD_DTYPES = [torch.complex64, torch.int32, torch.float8_e4m3fn]
 
 
 @pytest.mark.parametrize("dtype", FUSED_BAD_DTYPES, ids=str)
@@ -493,14 +494,13 @@ def test_fused_rejects_parameter_dtype(dtype):
     bad = torch.zeros(3, dtype=dtype)
     if dtype.is_floating_point or dtype.is_complex:
         bad = nn.Parameter(bad)
-    with pytest.raises(ValueError, match=rf"fused_step=True .*parameter 1 is {dtype}"):
+    with pytest.raises(ValueError, match=rf"fused_step=True supports .*parameter 1 is {dtype}"):
         ruda_torch.AdamW([good, bad], fused_step=True)
     opt = ruda_torch.AdamW([good], fused_step=True)
     with pytest.raises(ValueError, match=rf"param group 1 parameter 0 is {dtype}"):
         opt.add_param_group({"params": [bad]})
     assert len(opt.param_groups) == 1, "a rejected add_param_group left its group behind"
-    # The generic path takes other floating dtypes (e.g. an FP64 or BF16 group).
-    if dtype in (torch.float64, torch.bfloat16, torch.float16):
+    if dtype.is_complex:  # the generic path takes complex parameters
         opt.add_param_group({"params": [bad], "fused_step": False})
 
 
@@ -536,27 +536,18 @@ def _sparse_like(p: torch.Tensor) -> torch.Tensor:
     return torch.sparse_coo_tensor(idx, vals, p.shape, check_invariants=True)
 
 
-def _noncontiguous_like(p: torch.Tensor) -> torch.Tensor:
-    g = torch.ones(*p.shape, 2)[..., 0]
-    assert g.shape == p.shape and not g.is_contiguous()
-    return g
-
-
 # (kind, error type, message, corrupts): what makes the step fail.
 BAD_STEPS = {
     "sparse-grad": (RuntimeError, "sparse"),
-    "noncontiguous-grad": (RuntimeError, "contiguous"),
     "negative-lr": (ValueError, "Invalid learning rate"),
 }
 
 
-# Non-contiguous gradients are an error on the fused path only.
 BAD_STEP_PARAMS = [
     pytest.param(kind, mode, bad_group, id=f"{kind}-{mode}-group{bad_group}")
     for kind in BAD_STEPS
     for mode in MODE_IDS
     for bad_group in (0, 1)
-    if kind != "noncontiguous-grad" or MODES[mode][bad_group]
 ]
 
 
@@ -580,8 +571,6 @@ def test_rejected_step_changes_nothing(kind, mode, bad_group):
     error, message = BAD_STEPS[kind]
     if kind == "sparse-grad":
         bad_param.grad = _sparse_like(bad_param)
-    elif kind == "noncontiguous-grad":
-        bad_param.grad = _noncontiguous_like(bad_param)
     else:
         ours.param_groups[bad_group]["lr"] = -1.0
     before = snapshot(ours)
@@ -605,10 +594,10 @@ def test_rejected_step_changes_nothing(kind, mode, bad_group):
 
 
 @pytest.mark.parametrize("bad_group", [0, 1])
-def test_noncontiguous_grad_swapped_through_data_changes_nothing(bad_group):
-    """The fused path validates gradients once per gradient object; a gradient made
-    non-contiguous in place (``p.grad.data = ...``, the object unchanged) must still be
-    rejected before any bucket is updated."""
+def test_noncontiguous_grad_swapped_through_data_is_stepped_as_its_values(bad_group):
+    """A gradient made non-contiguous in place (``p.grad.data = ...``, the object
+    unchanged) is read in its own layout at every step: the fused step equals a twin's
+    with the same values contiguous, bit for bit."""
     mo, ours, _, _ = _side_by_side(AMSGRAD, "fused")
     mt = twin(mo)
     ours_twin = make_ours(mt, AMSGRAD, "fused")
@@ -616,20 +605,16 @@ def test_noncontiguous_grad_swapped_through_data_changes_nothing(bad_group):
     copy_grads(mo, mt)
     ours.step()
     ours_twin.step()
+    backward(mo, 3)
+    copy_grads(mo, mt)
     bad = (mo.fc2.weight, mo.fc2.bias)[bad_group]
-    good = bad.grad.clone()
     strided = torch.empty(*bad.shape, 2)[..., 0]
     strided.copy_(bad.grad)
     bad.grad.data = strided
     assert not bad.grad.is_contiguous()
-    before = snapshot(ours)
-    with pytest.raises(RuntimeError, match="contiguous"):
-        ours.step()
-    assert_same_snapshot(before, snapshot(ours), "after the rejected step")
-    bad.grad = good
     ours.step()
     ours_twin.step()
-    assert_bitwise_twins(ours, ours_twin, "after the rejected step")
+    assert_bitwise_twins(ours, ours_twin, "after a step with a strided gradient")
 
 
 def test_sparse_embedding_gradient_is_rejected():
@@ -643,8 +628,9 @@ def test_sparse_embedding_gradient_is_rejected():
         assert torch.equal(w, emb.weight) and len(opt.state) == 0
 
 
-def test_generic_path_takes_noncontiguous_gradients():
-    mo, ours, mt, theirs = _side_by_side(BASE, "generic")
+@pytest.mark.parametrize("mode", MODE_IDS)
+def test_noncontiguous_gradients_like_torch(mode):
+    mo, ours, mt, theirs = _side_by_side(BASE, mode)
     for step in range(1, 4):
         backward(mo, step)
         for p in mo.parameters():

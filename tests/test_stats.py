@@ -654,7 +654,7 @@ BAD_INPUTS = [
         "analyze_grad_not_contiguous",
         _analyze_call,
         _set(grads=lambda c: [c.grads[0], torch.randn(20)[::2]]),
-        r"grads\[1\] must be contiguous",
+        r"grads\[1\] must be dense \(contiguous, or a permutation of a contiguous tensor",
     ),
     (
         "analyze_grad_scale_two_elements",

@@ -6,6 +6,9 @@
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 
+#include <cstring>
+#include <type_traits>
+
 #include "adamw_math.h"
 #include "cpu/vec_load.h"
 #include "kernels.h"
@@ -14,19 +17,66 @@ namespace ruda {
 namespace {
 
 using cpu::Vec;
+using VecD = at::vec::Vectorized<double>;
 
 struct VecOps {
-  static inline Vec sqrt(const Vec& x) { return x.sqrt(); }
-  static inline Vec max(const Vec& a, const Vec& b) { return at::vec::maximum(a, b); }
-  // Note [Canonical NaN]: lanes where x != x get 0x7FFFFFFF.
+  template <typename V>
+  static inline V sqrt(const V& x) {
+    return x.sqrt();
+  }
+  template <typename V>
+  static inline V max(const V& a, const V& b) {
+    return at::vec::maximum(a, b);
+  }
+  // Note [Canonical NaN]: lanes where x != x get the canonical NaN.
   static inline Vec canonical(const Vec& x) {
     return Vec::blendv(x, Vec(ScalarOps::canonical_nan()), x != x);
   }
+  static inline VecD canonical(const VecD& x) {
+    return VecD::blendv(x, VecD(ScalarOps::canonical_nan_f64()), x != x);
+  }
 };
 
-StepCoefs<Vec> broadcast(const StepCoefs<float>& c) {
-  return {Vec(c.factor), Vec(c.beta1), Vec(c.one_minus_beta1), Vec(c.beta2), Vec(c.one_minus_beta2),
-          Vec(c.eps),    Vec(c.lr),    Vec(c.decay),           Vec(c.bc1),   Vec(c.bc2)};
+// The math and state type of a parameter dtype (Note [Parameter dtypes]).
+template <typename P>
+using MathOf = std::conditional_t<std::is_same_v<P, double>, double, float>;
+template <typename P>
+constexpr bool kIs16Bit = std::is_same_v<P, c10::Half> || std::is_same_v<P, c10::BFloat16>;
+
+template <typename M>
+StepCoefs<at::vec::Vectorized<M>> broadcast(const StepCoefs<M>& c) {
+  using V = at::vec::Vectorized<M>;
+  return {V(c.factor), V(c.beta1), V(c.one_minus_beta1), V(c.beta2), V(c.one_minus_beta2),
+          V(c.eps),    V(c.lr),    V(c.decay),           V(c.bc1),   V(c.bc2)};
+}
+
+// W consecutive gradient elements at g as the math type (exact conversions).
+template <typename M, typename G>
+inline at::vec::Vectorized<M> load_grad(const G* g) {
+  if constexpr (std::is_same_v<M, double>) {
+    return VecD::loadu(g);
+  } else {
+    return cpu::load_fp32<G>(g);
+  }
+}
+
+inline uint32_t bits_of(float x) {
+  uint32_t b;
+  std::memcpy(&b, &x, sizeof(b));
+  return b;
+}
+
+// The 16-bit value written for the FP32 result x of element `index` (Note [Parameter dtypes]).
+template <typename P>
+inline uint16_t round_param(float x, Rounding rounding, uint64_t seed, int64_t t, int64_t index) {
+  if constexpr (std::is_same_v<P, c10::Half>) {
+    return round_to_half(bits_of(x));
+  } else {
+    if (rounding == Rounding::kStochastic) {
+      return round_bf16_stochastic(bits_of(x), rounding_bits(seed, t, index));
+    }
+    return round_to_bf16(bits_of(x));
+  }
 }
 
 // Software prefetch distance of the update loop, in elements (16 KiB of FP32 state).
@@ -35,25 +85,44 @@ StepCoefs<Vec> broadcast(const StepCoefs<float>& c) {
 // torch's fused step in the same process; 8,192 elements helped less). A prefetch
 // past the end of an array touches nothing: it never faults.
 constexpr int64_t kPrefetchElems = 4096;
-constexpr int64_t kLineElems = 64 / sizeof(float);  // one prefetch per cache line of state
-static_assert(kLineElems % Vec::size() == 0, "a cache line must hold whole vectors");
 
-// Elements [begin, end) of one tensor.
-template <typename T, bool AMSGRAD>
-void update_range(const AdamWLaunch& L, const TensorEntry& e, const StepCoefs<float>& c,
-                  int64_t begin, int64_t end) {
-  float* p = e.param;
-  const T* g = static_cast<const T*>(e.grad);
-  float* m = L.exp_avg + e.state_offset;
-  float* v = L.exp_avg_sq + e.state_offset;
-  float* vm = AMSGRAD ? L.max_exp_avg_sq + e.state_offset : nullptr;
-  const StepCoefs<Vec> cv = broadcast(c);
-  constexpr int64_t W = Vec::size();
+// Elements [begin, end) of one tensor at step t.
+template <typename P, typename G, bool AMSGRAD>
+void update_range(const AdamWLaunch& L, const TensorEntry& e, const StepCoefs<MathOf<P>>& c,
+                  int64_t t, int64_t begin, int64_t end) {
+  using M = MathOf<P>;
+  using V = at::vec::Vectorized<M>;
+  constexpr int64_t W = V::size();
+  constexpr int64_t kLineElems = 64 / sizeof(M);  // one prefetch per cache line of state
+  static_assert(kLineElems % W == 0, "a cache line must hold whole vectors");
+  P* p = static_cast<P*>(e.param);
+  const G* g = static_cast<const G*>(e.grad);
+  M* m = static_cast<M*>(L.exp_avg) + e.state_offset;
+  M* v = static_cast<M*>(L.exp_avg_sq) + e.state_offset;
+  M* vm = AMSGRAD ? static_cast<M*>(L.max_exp_avg_sq) + e.state_offset : nullptr;
+  float* master = kIs16Bit<P> && L.master != nullptr ? L.master + e.state_offset : nullptr;
+  uint16_t* p16 = reinterpret_cast<uint16_t*>(p);
+  const StepCoefs<V> cv = broadcast(c);
   auto update_vec = [&](int64_t k) {
-    Vec pv = Vec::loadu(p + k), mv = Vec::loadu(m + k), vv = Vec::loadu(v + k);
-    Vec vmv = AMSGRAD ? Vec::loadu(vm + k) : Vec(0.0f);
-    adamw_element<AMSGRAD, VecOps>(pv, cpu::load_fp32<T>(g + k), mv, vv, vmv, cv);
-    pv.store(p + k);
+    V pv;
+    if constexpr (kIs16Bit<P>) {
+      pv = master != nullptr ? Vec::loadu(master + k) : cpu::load_fp32<P>(p + k);
+    } else {
+      pv = V::loadu(p + k);
+    }
+    V mv = V::loadu(m + k), vv = V::loadu(v + k);
+    V vmv = AMSGRAD ? V::loadu(vm + k) : V(M(0));
+    adamw_element<AMSGRAD, VecOps>(pv, load_grad<M>(g + k), mv, vv, vmv, cv);
+    if constexpr (kIs16Bit<P>) {
+      alignas(64) float out[W];
+      pv.store(out);
+      if (master != nullptr) pv.store(master + k);
+      for (int64_t j = 0; j < W; ++j) {
+        p16[k + j] = round_param<P>(out[j], L.rounding, L.seed, t, e.state_offset + k + j);
+      }
+    } else {
+      pv.store(p + k);
+    }
     mv.store(m + k);
     vv.store(v + k);
     if (AMSGRAD) vmv.store(vm + k);
@@ -65,17 +134,30 @@ void update_range(const AdamWLaunch& L, const TensorEntry& e, const StepCoefs<fl
     __builtin_prefetch(m + k + kPrefetchElems, 1);
     __builtin_prefetch(v + k + kPrefetchElems, 1);
     if (AMSGRAD) __builtin_prefetch(vm + k + kPrefetchElems, 1);
+    if (master != nullptr) __builtin_prefetch(master + k + kPrefetchElems, 1);
     for (int64_t j = k; j < k + kLineElems; j += W) update_vec(j);
   }
   for (; k + W <= end; k += W) update_vec(k);
   for (; k < end; ++k) {  // the leftover elements, same math on scalars
-    float vmk = AMSGRAD ? vm[k] : 0.0f;
-    adamw_element<AMSGRAD, ScalarOps>(p[k], static_cast<float>(g[k]), m[k], v[k], vmk, c);
+    M vmk = AMSGRAD ? vm[k] : M(0);
+    M pk;
+    if constexpr (kIs16Bit<P>) {
+      pk = master != nullptr ? master[k] : static_cast<float>(p[k]);
+    } else {
+      pk = p[k];
+    }
+    adamw_element<AMSGRAD, ScalarOps>(pk, static_cast<M>(g[k]), m[k], v[k], vmk, c);
+    if constexpr (kIs16Bit<P>) {
+      if (master != nullptr) master[k] = pk;
+      p16[k] = round_param<P>(pk, L.rounding, L.seed, t, e.state_offset + k);
+    } else {
+      p[k] = pk;
+    }
     if (AMSGRAD) vm[k] = vmk;
   }
 }
 
-template <typename T, bool AMSGRAD>
+template <typename P, typename G, bool AMSGRAD>
 void run(const AdamWLaunch& L, float factor) {
   // A grain of a few tiles: a bucket of one or two tiles runs on the calling thread
   // instead of waking the pool (far more costly than the work on a loaded machine).
@@ -87,19 +169,39 @@ void run(const AdamWLaunch& L, float factor) {
       const TensorEntry& e = L.table[i];
       // The counter was advanced before the parallel region (see adamw_cpu).
       const int64_t t = step_count(L.steps[e.step_index]);  // Note [Step counter range]
-      const StepCoefs<float> c = make_coefs(L.hyper, factor, t);
+      const StepCoefs<MathOf<P>> c = make_coefs<MathOf<P>>(L.hyper, factor, t);
       const int64_t begin = (u - e.unit_start) * kCpuTile;
-      update_range<T, AMSGRAD>(L, e, c, begin, std::min(begin + kCpuTile, e.numel));
+      update_range<P, G, AMSGRAD>(L, e, c, t, begin, std::min(begin + kCpuTile, e.numel));
     }
   });
 }
 
-template <typename T>
-void run_dtype(const AdamWLaunch& L, float factor) {
+template <typename P, typename G>
+void run_amsgrad(const AdamWLaunch& L, float factor) {
   if (L.amsgrad) {
-    run<T, true>(L, factor);
+    run<P, G, true>(L, factor);
   } else {
-    run<T, false>(L, factor);
+    run<P, G, false>(L, factor);
+  }
+}
+
+// The gradient dtypes each parameter dtype takes (checked by the binding).
+template <typename P>
+void run_param(const AdamWLaunch& L, float factor) {
+  if constexpr (std::is_same_v<P, double>) {
+    run_amsgrad<double, double>(L, factor);
+  } else if constexpr (std::is_same_v<P, float>) {
+    switch (L.grad_dtype) {
+      case DType::kHalf:
+        return run_amsgrad<float, c10::Half>(L, factor);
+      case DType::kBFloat16:
+        return run_amsgrad<float, c10::BFloat16>(L, factor);
+      default:
+        return run_amsgrad<float, float>(L, factor);
+    }
+  } else {  // a 16-bit parameter: its own dtype or FP32 gradients
+    if (L.grad_dtype == DType::kFloat) return run_amsgrad<P, float>(L, factor);
+    return run_amsgrad<P, P>(L, factor);
   }
 }
 
@@ -112,16 +214,15 @@ void adamw_cpu(const AdamWLaunch& L) {
     float& s = L.steps[L.table[i].step_index];
     s = s + 1.0f;
   }
-  switch (L.grad_dtype) {
-    case GradDType::kFloat:
-      run_dtype<float>(L, d.factor);
-      break;
-    case GradDType::kHalf:
-      run_dtype<c10::Half>(L, d.factor);
-      break;
-    case GradDType::kBFloat16:
-      run_dtype<c10::BFloat16>(L, d.factor);
-      break;
+  switch (L.param_dtype) {
+    case DType::kFloat:
+      return run_param<float>(L, d.factor);
+    case DType::kHalf:
+      return run_param<c10::Half>(L, d.factor);
+    case DType::kBFloat16:
+      return run_param<c10::BFloat16>(L, d.factor);
+    case DType::kDouble:
+      return run_param<double>(L, d.factor);
   }
 }
 

@@ -148,14 +148,16 @@ void analyze(const StatsLaunch& L, float inv_scale) {
 void analyze_gradient_cpu(const StatsLaunch& L) {
   const float inv_scale = L.grad_scale != nullptr ? 1.0f / L.grad_scale[0] : 1.0f;
   switch (L.grad_dtype) {
-    case GradDType::kFloat:
+    case DType::kFloat:
       analyze<float>(L, inv_scale);
       break;
-    case GradDType::kHalf:
+    case DType::kHalf:
       analyze<c10::Half>(L, inv_scale);
       break;
-    case GradDType::kBFloat16:
+    case DType::kBFloat16:
       analyze<c10::BFloat16>(L, inv_scale);
+      break;
+    case DType::kDouble:  // FP64 gradients have no statistics (the binding rejects them)
       break;
   }
 }

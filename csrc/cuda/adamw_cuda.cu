@@ -7,6 +7,7 @@
 #include <c10/util/Exception.h>
 
 #include <algorithm>
+#include <type_traits>
 
 #include "adamw_math.h"
 #include "cuda_utils.cuh"
@@ -31,71 +32,177 @@ __global__ void advance_steps_kernel(const TensorEntry* table, int64_t n, float*
   }
 }
 
-template <typename T, bool AMSGRAD>
-__device__ inline void update_one(float* p, const T* g, float* m, float* v, float* vm, int64_t k,
-                                  const StepCoefs<float>& c) {
-  float pk = p[k], mk = m[k], vk = v[k], vmk = AMSGRAD ? vm[k] : 0.0f;
-  adamw_element<AMSGRAD, ScalarOps>(pk, to_float(g[k]), mk, vk, vmk, c);
-  p[k] = pk;
-  m[k] = mk;
-  v[k] = vk;
-  if (AMSGRAD) vm[k] = vmk;
+// The math and state type of a parameter dtype (Note [Parameter dtypes]).
+template <typename P>
+using MathOf = std::conditional_t<std::is_same_v<P, double>, double, float>;
+template <typename P>
+constexpr bool kIs16Bit = std::is_same_v<P, __half> || std::is_same_v<P, __nv_bfloat16>;
+
+__device__ inline double to_math(double x) { return x; }
+template <typename T>
+__device__ inline float to_math(T x) {
+  return to_float(x);
 }
 
-template <typename T, bool AMSGRAD>
+// The 16-bit value written for the FP32 result x of element `index` (Note [Parameter dtypes]).
+template <typename P>
+__device__ inline uint16_t round_param(float x, Rounding rounding, uint64_t seed, int64_t t,
+                                       int64_t index) {
+  const uint32_t bits = __float_as_uint(x);
+  if constexpr (std::is_same_v<P, __half>) {
+    return round_to_half(bits);
+  } else {
+    if (rounding == Rounding::kStochastic) {
+      return round_bf16_stochastic(bits, rounding_bits(seed, t, index));
+    }
+    return round_to_bf16(bits);
+  }
+}
+
+// The pointers of one tensor's slice.
+template <typename P, typename G>
+struct Slice {
+  P* p;
+  const G* g;
+  MathOf<P>*m, *v, *vm;
+  float* master;  // 16-bit parameters with master weights, else null
+};
+
+template <typename P, typename G, bool AMSGRAD>
+__device__ inline void update_one(const Slice<P, G>& s, int64_t k, const StepCoefs<MathOf<P>>& c,
+                                  const AdamWLaunch& L, int64_t t, int64_t index) {
+  using M = MathOf<P>;
+  M pk;
+  if constexpr (kIs16Bit<P>) {
+    pk = s.master != nullptr ? s.master[k] : to_float(s.p[k]);
+  } else {
+    pk = s.p[k];
+  }
+  M mk = s.m[k], vk = s.v[k], vmk = AMSGRAD ? s.vm[k] : M(0);
+  adamw_element<AMSGRAD, ScalarOps>(pk, to_math(s.g[k]), mk, vk, vmk, c);
+  if constexpr (kIs16Bit<P>) {
+    if (s.master != nullptr) s.master[k] = pk;
+    reinterpret_cast<uint16_t*>(s.p)[k] = round_param<P>(pk, L.rounding, L.seed, t, index);
+  } else {
+    s.p[k] = pk;
+  }
+  s.m[k] = mk;
+  s.v[k] = vk;
+  if (AMSGRAD) s.vm[k] = vmk;
+}
+
+// kVec elements at k with wide accesses (FP32 and 16-bit parameters; the caller checked
+// alignment).
+template <typename P, typename G, bool AMSGRAD>
+__device__ inline void update_vec(const Slice<P, G>& s, int64_t k, const StepCoefs<float>& c,
+                                  const AdamWLaunch& L, int64_t t, int64_t index) {
+  float pv[kVec], gv[kVec], mv[kVec], vv[kVec], vmv[kVec];
+  if constexpr (kIs16Bit<P>) {
+    if (s.master != nullptr) {
+      load_vec<kVec>(s.master + k, pv);
+    } else {
+      load_vec<kVec>(s.p + k, pv);
+    }
+  } else {
+    load_vec<kVec>(s.p + k, pv);
+  }
+  load_vec<kVec>(s.g + k, gv);
+  load_vec<kVec>(s.m + k, mv);
+  load_vec<kVec>(s.v + k, vv);
+  if (AMSGRAD) load_vec<kVec>(s.vm + k, vmv);
+#pragma unroll
+  for (int j = 0; j < kVec; ++j) {
+    adamw_element<AMSGRAD, ScalarOps>(pv[j], gv[j], mv[j], vv[j], vmv[j], c);
+  }
+  if constexpr (kIs16Bit<P>) {
+    if (s.master != nullptr) store_vec<kVec>(s.master + k, pv);
+    struct alignas(kVec * sizeof(uint16_t)) Pack {
+      uint16_t v[kVec];
+    } pack;
+#pragma unroll
+    for (int j = 0; j < kVec; ++j)
+      pack.v[j] = round_param<P>(pv[j], L.rounding, L.seed, t, index + j);
+    *reinterpret_cast<Pack*>(s.p + k) = pack;
+  } else {
+    store_vec<kVec>(s.p + k, pv);
+  }
+  store_vec<kVec>(s.m + k, mv);
+  store_vec<kVec>(s.v + k, vv);
+  if (AMSGRAD) store_vec<kVec>(s.vm + k, vmv);
+}
+
+template <typename P, typename G, bool AMSGRAD>
 __global__ void __launch_bounds__(kThreads) adamw_kernel(AdamWLaunch L) {
+  using M = MathOf<P>;
   const StepDecision d = decide_step(L.control);
   if (d.skip) return;  // parameters, moments and step counters stay bit-identical
   for (int64_t u = blockIdx.x; u < L.n_units; u += gridDim.x) {
     const int64_t i = find_tensor(L.table, L.n_tensors, u);
     const TensorEntry e = L.table[i];
     const int64_t t = step_count(L.steps[e.step_index]);  // Note [Step counter range]
-    const StepCoefs<float> c = make_coefs(L.hyper, d.factor, t);
+    const StepCoefs<M> c = make_coefs<M>(L.hyper, d.factor, t);
     const int64_t begin = (u - e.unit_start) * kCudaTile;
     const int64_t end = min(begin + kCudaTile, e.numel);
-    float* p = e.param;
-    const T* g = static_cast<const T*>(e.grad);
-    float* m = L.exp_avg + e.state_offset;
-    float* v = L.exp_avg_sq + e.state_offset;
-    float* vm = AMSGRAD ? L.max_exp_avg_sq + e.state_offset : nullptr;
-    const bool aligned = is_aligned<kVec>(p) && is_aligned<kVec>(g) && is_aligned<kVec>(m) &&
-                         is_aligned<kVec>(v) && (!AMSGRAD || is_aligned<kVec>(vm));
+    Slice<P, G> s;
+    s.p = static_cast<P*>(e.param);
+    s.g = static_cast<const G*>(e.grad);
+    s.m = static_cast<M*>(L.exp_avg) + e.state_offset;
+    s.v = static_cast<M*>(L.exp_avg_sq) + e.state_offset;
+    s.vm = AMSGRAD ? static_cast<M*>(L.max_exp_avg_sq) + e.state_offset : nullptr;
+    s.master = kIs16Bit<P> && L.master != nullptr ? L.master + e.state_offset : nullptr;
+    bool aligned = false;
+    if constexpr (!std::is_same_v<P, double>) {  // FP64: scalar accesses (a rare dtype)
+      aligned = is_aligned<kVec>(s.p) && is_aligned<kVec>(s.g) && is_aligned<kVec>(s.m) &&
+                is_aligned<kVec>(s.v) && (!AMSGRAD || is_aligned<kVec>(s.vm)) &&
+                (s.master == nullptr || is_aligned<kVec>(s.master));
+    }
     if (aligned) {
-      for (int64_t k = begin + int64_t(threadIdx.x) * kVec; k < end; k += kThreads * kVec) {
-        if (k + kVec <= end) {
-          float pv[kVec], gv[kVec], mv[kVec], vv[kVec], vmv[kVec];
-          load_vec<kVec>(p + k, pv);
-          load_vec<kVec>(g + k, gv);
-          load_vec<kVec>(m + k, mv);
-          load_vec<kVec>(v + k, vv);
-          if (AMSGRAD) load_vec<kVec>(vm + k, vmv);
-#pragma unroll
-          for (int j = 0; j < kVec; ++j) {
-            adamw_element<AMSGRAD, ScalarOps>(pv[j], gv[j], mv[j], vv[j], vmv[j], c);
+      if constexpr (!std::is_same_v<P, double>) {
+        for (int64_t k = begin + int64_t(threadIdx.x) * kVec; k < end; k += kThreads * kVec) {
+          if (k + kVec <= end) {
+            update_vec<P, G, AMSGRAD>(s, k, c, L, t, e.state_offset + k);
+          } else {
+            for (int64_t kk = k; kk < end; ++kk) {
+              update_one<P, G, AMSGRAD>(s, kk, c, L, t, e.state_offset + kk);
+            }
           }
-          store_vec<kVec>(p + k, pv);
-          store_vec<kVec>(m + k, mv);
-          store_vec<kVec>(v + k, vv);
-          if (AMSGRAD) store_vec<kVec>(vm + k, vmv);
-        } else {
-          for (int64_t kk = k; kk < end; ++kk) update_one<T, AMSGRAD>(p, g, m, v, vm, kk, c);
         }
       }
-    } else {  // a view that is not 16-byte aligned: scalar accesses, same math
+    } else {  // a view that is not aligned for wide accesses: scalar accesses, same math
       for (int64_t k = begin + threadIdx.x; k < end; k += kThreads) {
-        update_one<T, AMSGRAD>(p, g, m, v, vm, k, c);
+        update_one<P, G, AMSGRAD>(s, k, c, L, t, e.state_offset + k);
       }
     }
   }
 }
 
-template <typename T>
+template <typename P, typename G>
 void launch(const AdamWLaunch& L, cudaStream_t stream) {
   if (L.n_units == 0) return;
-  const auto kernel = L.amsgrad ? adamw_kernel<T, true> : adamw_kernel<T, false>;
+  const auto kernel = L.amsgrad ? adamw_kernel<P, G, true> : adamw_kernel<P, G, false>;
   const int64_t grid = std::min<int64_t>(L.n_units, max_resident_blocks(kernel, kThreads));
   kernel<<<static_cast<unsigned>(grid), kThreads, 0, stream>>>(L);
   RUDA_CUDA_CHECK_LAUNCH();
+}
+
+// The gradient dtypes each parameter dtype takes (checked by the binding).
+template <typename P>
+void launch_param(const AdamWLaunch& L, cudaStream_t stream) {
+  if constexpr (std::is_same_v<P, double>) {
+    launch<double, double>(L, stream);
+  } else if constexpr (std::is_same_v<P, float>) {
+    switch (L.grad_dtype) {
+      case DType::kHalf:
+        return launch<float, __half>(L, stream);
+      case DType::kBFloat16:
+        return launch<float, __nv_bfloat16>(L, stream);
+      default:
+        return launch<float, float>(L, stream);
+    }
+  } else {  // a 16-bit parameter: its own dtype or FP32 gradients
+    if (L.grad_dtype == DType::kFloat) return launch<P, float>(L, stream);
+    return launch<P, P>(L, stream);
+  }
 }
 
 }  // namespace
@@ -106,16 +213,15 @@ void adamw_cuda(const AdamWLaunch& L, void* stream_ptr) {
   advance_steps_kernel<<<static_cast<unsigned>(step_blocks), kThreads, 0, stream>>>(
       L.table, L.n_tensors, L.steps, L.control);
   RUDA_CUDA_CHECK_LAUNCH();
-  switch (L.grad_dtype) {
-    case GradDType::kFloat:
-      launch<float>(L, stream);
-      break;
-    case GradDType::kHalf:
-      launch<__half>(L, stream);
-      break;
-    case GradDType::kBFloat16:
-      launch<__nv_bfloat16>(L, stream);
-      break;
+  switch (L.param_dtype) {
+    case DType::kFloat:
+      return launch_param<float>(L, stream);
+    case DType::kHalf:
+      return launch_param<__half>(L, stream);
+    case DType::kBFloat16:
+      return launch_param<__nv_bfloat16>(L, stream);
+    case DType::kDouble:
+      return launch_param<double>(L, stream);
   }
 }
 

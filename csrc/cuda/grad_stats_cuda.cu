@@ -113,14 +113,16 @@ void analyze_gradient_cuda(const StatsLaunch& L, void* stream_ptr) {
     kernel<<<grid, kAnalyzeThreads, 0, stream>>>(L);
   };
   switch (L.grad_dtype) {
-    case GradDType::kFloat:
+    case DType::kFloat:
       run(analyze_kernel<float>);
       break;
-    case GradDType::kHalf:
+    case DType::kHalf:
       run(analyze_kernel<__half>);
       break;
-    case GradDType::kBFloat16:
+    case DType::kBFloat16:
       run(analyze_kernel<__nv_bfloat16>);
+      break;
+    case DType::kDouble:  // FP64 gradients have no statistics (the binding rejects them)
       break;
   }
   RUDA_CUDA_CHECK_LAUNCH();
