@@ -485,7 +485,8 @@ def _in_layout(target: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
         return g
     if not target.is_contiguous() and _fused.is_dense(target):
         if _fused.is_dense(g) and all(
-            n <= 1 or a == b for n, a, b in zip(target.shape, target.stride(), g.stride())
+            n <= 1 or a == b
+            for n, a, b in zip(target.shape, target.stride(), g.stride(), strict=True)
         ):
             return g
         return torch.empty_like(target, dtype=g.dtype).copy_(g)
