@@ -79,6 +79,32 @@ inline uint16_t round_param(float x, Rounding rounding, uint64_t seed, int64_t t
   }
 }
 
+inline float from_bits(uint32_t b) {
+  float x;
+  std::memcpy(&x, &b, sizeof(x));
+  return x;
+}
+
+// A 16-bit parameter widened exactly to FP32.
+template <typename P>
+inline float widen(uint16_t bits) {
+  if constexpr (std::is_same_v<P, c10::Half>) {
+    return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
+  } else {
+    return from_bits(static_cast<uint32_t>(bits) << 16);
+  }
+}
+
+// The FP32 value updated for a 16-bit parameter with master weights (Note [Master
+// weights] in ruda_torch/_fused.py): the master while the parameter still holds it rounded
+// to nearest even, else the parameter's own value (it was written since).
+template <typename P>
+inline float master_or_param(float master, uint16_t param) {
+  const uint32_t b = bits_of(master);
+  const uint16_t rounded = std::is_same_v<P, c10::Half> ? round_to_half(b) : round_to_bf16(b);
+  return rounded == param ? master : widen<P>(param);
+}
+
 // Software prefetch distance of the update loop, in elements (16 KiB of FP32 state).
 // The loop streams four or five arrays at once; on a 2-core AVX2 machine the hardware
 // prefetchers alone left the step 4-7% slower than with this (measured against
@@ -106,7 +132,13 @@ void update_range(const AdamWLaunch& L, const TensorEntry& e, const StepCoefs<Ma
   auto update_vec = [&](int64_t k) {
     V pv;
     if constexpr (kIs16Bit<P>) {
-      pv = master != nullptr ? Vec::loadu(master + k) : cpu::load_fp32<P>(p + k);
+      if (master != nullptr) {
+        alignas(64) float in[W];
+        for (int64_t j = 0; j < W; ++j) in[j] = master_or_param<P>(master[k + j], p16[k + j]);
+        pv = Vec::loadu(in);
+      } else {
+        pv = cpu::load_fp32<P>(p + k);
+      }
     } else {
       pv = V::loadu(p + k);
     }
@@ -142,7 +174,7 @@ void update_range(const AdamWLaunch& L, const TensorEntry& e, const StepCoefs<Ma
     M vmk = AMSGRAD ? vm[k] : M(0);
     M pk;
     if constexpr (kIs16Bit<P>) {
-      pk = master != nullptr ? master[k] : static_cast<float>(p[k]);
+      pk = master != nullptr ? master_or_param<P>(master[k], p16[k]) : static_cast<float>(p[k]);
     } else {
       pk = p[k];
     }

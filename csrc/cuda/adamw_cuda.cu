@@ -59,6 +59,26 @@ __device__ inline uint16_t round_param(float x, Rounding rounding, uint64_t seed
   }
 }
 
+// A 16-bit parameter widened exactly to FP32.
+template <typename P>
+__device__ inline float widen(uint16_t bits) {
+  if constexpr (std::is_same_v<P, __half>) {
+    return __half2float(__ushort_as_half(bits));
+  } else {
+    return __uint_as_float(static_cast<uint32_t>(bits) << 16);
+  }
+}
+
+// The FP32 value updated for a 16-bit parameter with master weights (Note [Master
+// weights] in ruda_torch/_fused.py): the master while the parameter still holds it rounded
+// to nearest even, else the parameter's own value (it was written since).
+template <typename P>
+__device__ inline float master_or_param(float master, uint16_t param) {
+  const uint32_t b = __float_as_uint(master);
+  const uint16_t rounded = std::is_same_v<P, __half> ? round_to_half(b) : round_to_bf16(b);
+  return rounded == param ? master : widen<P>(param);
+}
+
 // The pointers of one tensor's slice.
 template <typename P, typename G>
 struct Slice {
@@ -74,7 +94,9 @@ __device__ inline void update_one(const Slice<P, G>& s, int64_t k, const StepCoe
   using M = MathOf<P>;
   M pk;
   if constexpr (kIs16Bit<P>) {
-    pk = s.master != nullptr ? s.master[k] : to_float(s.p[k]);
+    pk = s.master != nullptr
+             ? master_or_param<P>(s.master[k], reinterpret_cast<const uint16_t*>(s.p)[k])
+             : to_float(s.p[k]);
   } else {
     pk = s.p[k];
   }
@@ -99,7 +121,14 @@ __device__ inline void update_vec(const Slice<P, G>& s, int64_t k, const StepCoe
   float pv[kVec], gv[kVec], mv[kVec], vv[kVec], vmv[kVec];
   if constexpr (kIs16Bit<P>) {
     if (s.master != nullptr) {
-      load_vec<kVec>(s.master + k, pv);
+      float mv16[kVec];
+      load_vec<kVec>(s.master + k, mv16);
+      struct alignas(kVec * sizeof(uint16_t)) Bits {
+        uint16_t v[kVec];
+      };
+      const Bits bits = *reinterpret_cast<const Bits*>(s.p + k);
+#pragma unroll
+      for (int j = 0; j < kVec; ++j) pv[j] = master_or_param<P>(mv16[j], bits.v[j]);
     } else {
       load_vec<kVec>(s.p + k, pv);
     }
