@@ -36,6 +36,8 @@ from torch.optim import Optimizer
 from . import _C, _fused, _generic, _stats, ops
 from ._generic import local
 from ._validate import (
+    MASTER_KEY,
+    STATE_KEYS,
     check_hyperparameters,
     check_max_grad_norm,
     check_process_group,
@@ -287,6 +289,17 @@ class AdamW(Optimizer):
                 _fused.split_group(self, gi, {**g, "params": self.param_groups[gi]["params"]},
                                    needs_global)  # fmt: skip
         super().load_state_dict({"state": state_dict["state"], "param_groups": new_groups})
+        fused = {id(p) for g in self.param_groups if g["fused_step"] for p in g["params"]}
+        for key, st in state_dict["state"].items():
+            p = id_to_param[key]
+            if id(p) not in fused or not st:
+                continue
+            # torch's load casts every state tensor to the parameter's dtype, which would
+            # round FP32 moments and masters of 16-bit parameters: the buckets take the
+            # saved values instead (adoption copies them into FP32 slots exactly).
+            for k in (*STATE_KEYS, MASTER_KEY):
+                if isinstance(st.get(k), torch.Tensor):
+                    self.state[p][k] = st[k]
         for group in self.param_groups:
             for p in group["params"]:
                 if id(p) in steps:  # torch's format: an FP32 0-dim tensor per parameter

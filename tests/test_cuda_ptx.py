@@ -75,14 +75,40 @@ def _kernels(ptx: str) -> dict[str, str]:
     return bodies
 
 
-def test_aligned_path_uses_16_byte_loads_and_stores(ptx):
+# Template arguments of adamw_kernel<P, G, AMSGRAD> in the mangled name: the parameter
+# and gradient dtypes (Note [Parameter dtypes] in csrc/adamw_math.h).
+_TYPES = {"f": "fp32", "d": "fp64", "6__half": "fp16", "13__nv_bfloat16": "bf16"}
+_KERNEL = re.compile(
+    r"adamw_kernelI(f|d|6__half|13__nv_bfloat16)(f|d|6__half|13__nv_bfloat16|S2_)Lb([01])E"
+)
+PAIRS = {("fp32", "fp32"), ("fp32", "fp16"), ("fp32", "bf16"), ("fp16", "fp16"), ("fp16", "fp32"),
+         ("bf16", "bf16"), ("bf16", "fp32"), ("fp64", "fp64")}  # fmt: skip
+
+
+def test_aligned_path_uses_wide_loads_and_stores(ptx):
+    """FP32 state and FP32 parameters, masters and gradients move 16 bytes per access,
+    16-bit parameters 8 bytes (4 elements); FP64 buckets use scalar accesses."""
     kernels = _kernels(ptx)
-    assert len(kernels) == 6, f"expected 3 gradient dtypes x AMSGrad on/off, got {list(kernels)}"
+    found = {}
     for name, body in kernels.items():
-        amsgrad = "Lb1E" in name  # template argument AMSGRAD = true
+        m = _KERNEL.search(name)
+        assert m, f"unexpected kernel {name}"
+        param = _TYPES[m.group(1)]
+        grad = param if m.group(2) == "S2_" else _TYPES[m.group(2)]
+        amsgrad = m.group(3) == "1"
+        found[(param, grad, amsgrad)] = name
+        if param == "fp64":
+            continue
         stores = re.findall(r"st\.global(?:\.\w+)*\.v4\.f32", body)
         loads = re.findall(r"ld\.global(?:\.\w+)*\.v4\.f32", body)
-        need = 4 if amsgrad else 3  # parameter, exp_avg, exp_avg_sq (+ max_exp_avg_sq)
+        moments = 3 if amsgrad else 2  # exp_avg, exp_avg_sq (+ max_exp_avg_sq)
+        # + the parameter (FP32) or the master (16-bit parameters with master weights)
+        need = moments + 1
         assert len(stores) >= need, f"{name}: {len(stores)} 16-byte stores, want {need}"
-        need += "adamw_kernelIf" in name  # FP32 gradients are loaded 16 bytes at a time too
+        need += grad == "fp32"
         assert len(loads) >= need, f"{name}: {len(loads)} 16-byte FP32 loads, want {need}"
+        if param in ("fp16", "bf16"):  # four 16-bit elements as one uint2 (load_bits16)
+            assert re.search(r"ld\.global(?:\.\w+)*\.v2\.u32", body), f"{name}: 8-byte loads"
+            assert re.search(r"st\.global(?:\.\w+)*\.v2\.u32", body), f"{name}: 8-byte stores"
+    want = {(p, g, a) for p, g in PAIRS for a in (False, True)}
+    assert set(found) == want, f"kernel variants: {sorted(found)}"

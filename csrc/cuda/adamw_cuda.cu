@@ -122,13 +122,11 @@ __device__ inline void update_vec(const Slice<P, G>& s, int64_t k, const StepCoe
   if constexpr (kIs16Bit<P>) {
     if (s.master != nullptr) {
       float mv16[kVec];
+      uint16_t bits[kVec];
       load_vec<kVec>(s.master + k, mv16);
-      struct alignas(kVec * sizeof(uint16_t)) Bits {
-        uint16_t v[kVec];
-      };
-      const Bits bits = *reinterpret_cast<const Bits*>(s.p + k);
+      load_bits16(reinterpret_cast<const uint16_t*>(s.p + k), bits);
 #pragma unroll
-      for (int j = 0; j < kVec; ++j) pv[j] = master_or_param<P>(mv16[j], bits.v[j]);
+      for (int j = 0; j < kVec; ++j) pv[j] = master_or_param<P>(mv16[j], bits[j]);
     } else {
       load_vec<kVec>(s.p + k, pv);
     }
@@ -145,13 +143,10 @@ __device__ inline void update_vec(const Slice<P, G>& s, int64_t k, const StepCoe
   }
   if constexpr (kIs16Bit<P>) {
     if (s.master != nullptr) store_vec<kVec>(s.master + k, pv);
-    struct alignas(kVec * sizeof(uint16_t)) Pack {
-      uint16_t v[kVec];
-    } pack;
+    uint16_t out[kVec];
 #pragma unroll
-    for (int j = 0; j < kVec; ++j)
-      pack.v[j] = round_param<P>(pv[j], L.rounding, L.seed, t, index + j);
-    *reinterpret_cast<Pack*>(s.p + k) = pack;
+    for (int j = 0; j < kVec; ++j) out[j] = round_param<P>(pv[j], L.rounding, L.seed, t, index + j);
+    store_bits16(reinterpret_cast<uint16_t*>(s.p + k), out);
   } else {
     store_vec<kVec>(s.p + k, pv);
   }

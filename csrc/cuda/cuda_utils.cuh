@@ -40,6 +40,34 @@ __device__ inline bool is_aligned(const T* p) {
   return reinterpret_cast<uintptr_t>(p) % (N * sizeof(T)) == 0;
 }
 
+// Four 16-bit values with one 8-byte global load / store (caller checked alignment). A
+// plain struct of four uint16_t compiles to a generic-space load and to four 2-byte
+// stores; the cache intrinsics on uint2 keep each one instruction (tests/test_cuda_ptx.py).
+__device__ inline void load_bits16(const uint16_t* p, uint16_t* out) {
+  const uint2 v = __ldca(reinterpret_cast<const uint2*>(p));
+  out[0] = static_cast<uint16_t>(v.x & 0xFFFFu);
+  out[1] = static_cast<uint16_t>(v.x >> 16);
+  out[2] = static_cast<uint16_t>(v.y & 0xFFFFu);
+  out[3] = static_cast<uint16_t>(v.y >> 16);
+}
+
+__device__ inline void store_bits16(uint16_t* p, const uint16_t* in) {
+  const uint2 v = make_uint2(static_cast<uint32_t>(in[0]) | (static_cast<uint32_t>(in[1]) << 16),
+                             static_cast<uint32_t>(in[2]) | (static_cast<uint32_t>(in[3]) << 16));
+  __stwb(reinterpret_cast<uint2*>(p), v);
+}
+
+template <typename T>
+__device__ inline T bits_as(uint16_t b);
+template <>
+__device__ inline __half bits_as<__half>(uint16_t b) {
+  return __ushort_as_half(b);
+}
+template <>
+__device__ inline __nv_bfloat16 bits_as<__nv_bfloat16>(uint16_t b) {
+  return __ushort_as_bfloat16(b);
+}
+
 // N consecutive elements converted to FP32, with one wide load (caller checked alignment).
 // Four FP32 values go through the load intrinsic: like a plain float4 store, a plain
 // aligned struct load is not always kept whole (ld.global.v4.f32) by the compiler.
@@ -51,6 +79,11 @@ __device__ inline void load_vec(const T* p, float* out) {
     out[1] = v.y;
     out[2] = v.z;
     out[3] = v.w;
+  } else if constexpr (N == 4 && sizeof(T) == 2) {  // FP16/BF16: one 8-byte global load
+    uint16_t bits[4];
+    load_bits16(reinterpret_cast<const uint16_t*>(p), bits);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) out[j] = to_float(bits_as<T>(bits[j]));
   } else {
     struct alignas(N * sizeof(T)) Pack {
       T v[N];
