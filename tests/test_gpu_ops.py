@@ -572,3 +572,82 @@ def test_update_grid_is_one_wave_of_resident_blocks(tmp_path):
     by_registers = getattr(props, "regs_per_multiprocessor", 65536) // per_block
     expected = props.multi_processor_count * min(by_registers, 2048 // 256)
     assert grid == min(units, expected), (grid, regs, expected)
+
+
+# ------------------------------------------- parameter dtypes (Note [Parameter dtypes])
+
+PARAM_VARIANTS = [
+    # (id, parameter dtype, gradient dtype, master weights, stochastic rounding)
+    ("bf16", torch.bfloat16, torch.bfloat16, False, False),
+    ("bf16-fp32grad", torch.bfloat16, torch.float32, False, False),
+    ("bf16-master", torch.bfloat16, torch.bfloat16, True, False),
+    ("bf16-sr", torch.bfloat16, torch.bfloat16, False, True),
+    ("fp16", torch.float16, torch.float16, False, False),
+    ("fp16-master", torch.float16, torch.float32, True, False),
+    ("fp64", torch.float64, torch.float64, False, False),
+]
+
+
+@pytest.mark.parametrize("offset", [0, 1], ids=["aligned", "unaligned"])
+@pytest.mark.parametrize("amsgrad", [False, True], ids=["adamw", "amsgrad"])
+@pytest.mark.parametrize("numel", [0, 1, 97, 1025, 65537])
+@pytest.mark.parametrize("variant", PARAM_VARIANTS, ids=[v[0] for v in PARAM_VARIANTS])
+def test_param_dtype_variants_cuda_match_cpu_bitwise(variant, numel, amsgrad, offset):
+    """16-bit parameters (rounded, with masters some of which the parameter no longer
+    matches, stochastically rounded), FP64 parameters and a Tensor lr on the device:
+    every kernel variant gives the CPU's bits."""
+    _, pdtype, gdtype, master, sr = variant
+    gen = torch.Generator().manual_seed(seed_of("param-variant", variant[0], numel, amsgrad))
+    sdtype = torch.float64 if pdtype == torch.float64 else torch.float32
+    n = numel + offset
+    tensors = {
+        "param": torch.randn(n, generator=gen).to(pdtype)[offset:],
+        "grad": (torch.randn(n, generator=gen) * 0.3).to(gdtype)[offset:],
+        "exp_avg": (torch.randn(numel, generator=gen) * 0.1).to(sdtype),
+        "exp_avg_sq": (torch.rand(numel, generator=gen) * 0.01).to(sdtype),
+        "max_exp_avg_sq": (torch.rand(numel, generator=gen) * 0.02).to(sdtype) if amsgrad else None,
+        "steps": torch.tensor([5.0]),
+    }
+    if master:
+        m = torch.randn(numel, generator=gen)
+        tensors["param"].copy_(m.to(pdtype))
+        tensors["param"][::5] = torch.randn(len(range(0, numel, 5)), generator=gen).to(pdtype)
+        tensors["master"] = m
+    results = []
+    for device in ("cpu", CUDA):
+        t = {k: None if v is None else v.to(device) for k, v in tensors.items()}
+        for _ in range(3):
+            ops.adamw_scaled_(
+                [t["param"]], [t["grad"]], t["exp_avg"], t["exp_avg_sq"], t["max_exp_avg_sq"],
+                t["steps"], torch.zeros((1, 2), dtype=torch.int64), lr=0.0, beta1=0.9,
+                beta2=0.99, eps=1e-8, weight_decay=0.1, master=t.get("master"),
+                lr_tensor=torch.tensor(3e-3, device=device), stochastic_rounding=sr, seed=42,
+            )  # fmt: skip
+        results.append({k: None if v is None else v.cpu() for k, v in t.items()})
+    for k in tensors:
+        assert same_bits(results[0][k], results[1][k]), f"{k} differs"
+
+
+@pytest.mark.parametrize("kind", ["transposed", "channels_last", "gapped"])
+def test_non_contiguous_params_cuda_optimizer_matches_cpu_bitwise(kind):
+    gen = torch.Generator().manual_seed(seed_of("layout-gpu", kind))
+    if kind == "transposed":
+        base = torch.randn(65, 33, generator=gen).t()
+    elif kind == "channels_last":
+        base = torch.randn(8, 5, 3, 3, generator=gen).to(memory_format=torch.channels_last)
+    else:
+        base = torch.randn(10, 5, 2, generator=gen)[..., 0]
+    runs = []
+    for device in ("cpu", CUDA):
+        if kind == "gapped":  # a view with gaps on each device, holding base's values
+            data = torch.empty(10, 5, 2, device=device)[..., 0].copy_(base)
+        else:  # a copy in base's layout (base itself stays the starting point)
+            data = base.clone(memory_format=torch.preserve_format).to(device)
+        p = torch.nn.Parameter(data)
+        opt = ruda_torch.AdamW([p], lr=1e-2, fused_step=True, amsgrad=True)
+        for step in range(3):
+            g = torch.randn(base.shape, generator=torch.Generator().manual_seed(step))
+            p.grad = torch.empty_like(p).copy_(g.to(device))
+            opt.step()
+        runs.append(p.detach().cpu().contiguous())
+    assert same_bits(runs[0], runs[1])
