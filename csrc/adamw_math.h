@@ -188,6 +188,7 @@ RUDA_HOST_DEVICE inline StepCoefs<M> make_coefs(const AdamWHyper& h, float facto
 //   so CPU and CUDA write the same 16-bit values.
 
 // FP32 -> BF16, round to nearest even; NaN -> kCanonicalNaNBits16.
+// Branch-free (selects, not jumps), so that the CPU loops over a vector's lanes vectorize.
 RUDA_HOST_DEVICE inline uint16_t round_to_bf16(uint32_t x) {
   if ((x & 0x7FFFFFFFu) > 0x7F800000u) return kCanonicalNaNBits16;
   return static_cast<uint16_t>((x + 0x7FFFu + ((x >> 16) & 1u)) >> 16);
@@ -217,22 +218,36 @@ RUDA_HOST_DEVICE inline uint16_t round_to_half(uint32_t x) {
 // torchao's bf16_stochastic_round; NaN -> kCanonicalNaNBits16. A value within one BF16
 // ulp of the largest finite one may round to infinity, as with any stochastic rounding.
 RUDA_HOST_DEVICE inline uint16_t round_bf16_stochastic(uint32_t x, uint32_t random) {
-  if ((x & 0x7FFFFFFFu) > 0x7F800000u) return kCanonicalNaNBits16;
-  if ((x & 0x7FFFFFFFu) == 0x7F800000u) return static_cast<uint16_t>(x >> 16);  // +-inf
-  return static_cast<uint16_t>((x + (random & 0xFFFFu)) >> 16);
+  const uint32_t ax = x & 0x7FFFFFFFu;
+  const uint32_t r = (x + (ax == 0x7F800000u ? 0u : (random & 0xFFFFu))) >> 16;  // +-inf stays
+  return static_cast<uint16_t>(ax > 0x7F800000u ? kCanonicalNaNBits16 : r);
 }
 
 // Note [Stochastic rounding bits]
 // The random bits of element `index` (its position in the bucket's flat state) at step t
-// of seed `seed`: a counter-based hash (SplitMix64's finalizer over the three), so that
-// each element draws independently at every step, any backend and any thread schedule
-// draws the same bits, and a resumed run (same seed, same counters) repeats them.
-RUDA_HOST_DEVICE inline uint32_t rounding_bits(uint64_t seed, int64_t t, int64_t index) {
-  uint64_t z = seed ^ (static_cast<uint64_t>(t) * 0x9E3779B97F4A7C15ull) ^
-               (static_cast<uint64_t>(index) * 0xD1B54A32D192ED03ull);
+// of seed `seed`: a counter-based hash, so that each element draws independently at
+// every step, any backend and any thread schedule draws the same bits, and a resumed run
+// (same seed, same counters) repeats them. The (seed, t) part is mixed once per tile
+// (SplitMix64's finalizer, rounding_key); each element then costs one 32-bit mix
+// (MurmurHash3's fmix32) of its index and that key, which the CPU loops vectorize.
+RUDA_HOST_DEVICE inline uint32_t rounding_key(uint64_t seed, int64_t t) {
+  uint64_t z = seed + static_cast<uint64_t>(t) * 0x9E3779B97F4A7C15ull;
   z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
   z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
   return static_cast<uint32_t>((z ^ (z >> 31)) >> 32);
+}
+
+RUDA_HOST_DEVICE inline uint32_t rounding_bits(uint32_t key, int64_t index) {
+  const uint64_t i = static_cast<uint64_t>(index);
+  uint32_t h =
+      static_cast<uint32_t>(i) * 0x9E3779B1u ^ static_cast<uint32_t>(i >> 32) * 0x85EBCA77u;
+  h ^= key;
+  h ^= h >> 16;
+  h *= 0x85EBCA6Bu;
+  h ^= h >> 13;
+  h *= 0xC2B2AE35u;
+  h ^= h >> 16;
+  return h;
 }
 
 // SPEC section 1, one element (or one vector of elements):

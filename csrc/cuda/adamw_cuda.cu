@@ -46,14 +46,13 @@ __device__ inline float to_math(T x) {
 
 // The 16-bit value written for the FP32 result x of element `index` (Note [Parameter dtypes]).
 template <typename P>
-__device__ inline uint16_t round_param(float x, Rounding rounding, uint64_t seed, int64_t t,
-                                       int64_t index) {
+__device__ inline uint16_t round_param(float x, Rounding rounding, uint32_t key, int64_t index) {
   const uint32_t bits = __float_as_uint(x);
   if constexpr (std::is_same_v<P, __half>) {
     return round_to_half(bits);
   } else {
     if (rounding == Rounding::kStochastic) {
-      return round_bf16_stochastic(bits, rounding_bits(seed, t, index));
+      return round_bf16_stochastic(bits, rounding_bits(key, index));
     }
     return round_to_bf16(bits);
   }
@@ -90,7 +89,7 @@ struct Slice {
 
 template <typename P, typename G, bool AMSGRAD>
 __device__ inline void update_one(const Slice<P, G>& s, int64_t k, const StepCoefs<MathOf<P>>& c,
-                                  const AdamWLaunch& L, int64_t t, int64_t index) {
+                                  const AdamWLaunch& L, uint32_t key, int64_t index) {
   using M = MathOf<P>;
   M pk;
   if constexpr (kIs16Bit<P>) {
@@ -104,7 +103,7 @@ __device__ inline void update_one(const Slice<P, G>& s, int64_t k, const StepCoe
   adamw_element<AMSGRAD, ScalarOps>(pk, to_math(s.g[k]), mk, vk, vmk, c);
   if constexpr (kIs16Bit<P>) {
     if (s.master != nullptr) s.master[k] = pk;
-    reinterpret_cast<uint16_t*>(s.p)[k] = round_param<P>(pk, L.rounding, L.seed, t, index);
+    reinterpret_cast<uint16_t*>(s.p)[k] = round_param<P>(pk, L.rounding, key, index);
   } else {
     s.p[k] = pk;
   }
@@ -117,7 +116,7 @@ __device__ inline void update_one(const Slice<P, G>& s, int64_t k, const StepCoe
 // alignment).
 template <typename P, typename G, bool AMSGRAD>
 __device__ inline void update_vec(const Slice<P, G>& s, int64_t k, const StepCoefs<float>& c,
-                                  const AdamWLaunch& L, int64_t t, int64_t index) {
+                                  const AdamWLaunch& L, uint32_t key, int64_t index) {
   float pv[kVec], gv[kVec], mv[kVec], vv[kVec], vmv[kVec];
   if constexpr (kIs16Bit<P>) {
     if (s.master != nullptr) {
@@ -145,7 +144,7 @@ __device__ inline void update_vec(const Slice<P, G>& s, int64_t k, const StepCoe
     if (s.master != nullptr) store_vec<kVec>(s.master + k, pv);
     uint16_t out[kVec];
 #pragma unroll
-    for (int j = 0; j < kVec; ++j) out[j] = round_param<P>(pv[j], L.rounding, L.seed, t, index + j);
+    for (int j = 0; j < kVec; ++j) out[j] = round_param<P>(pv[j], L.rounding, key, index + j);
     store_bits16(reinterpret_cast<uint16_t*>(s.p + k), out);
   } else {
     store_vec<kVec>(s.p + k, pv);
@@ -165,6 +164,7 @@ __global__ void __launch_bounds__(kThreads) adamw_kernel(AdamWLaunch L) {
     const TensorEntry e = L.table[i];
     const int64_t t = step_count(L.steps[e.step_index]);  // Note [Step counter range]
     const StepCoefs<M> c = make_coefs<M>(L.hyper, d.factor, t);
+    const uint32_t key = rounding_key(L.seed, t);  // Note [Stochastic rounding bits]
     const int64_t begin = (u - e.unit_start) * kCudaTile;
     const int64_t end = min(begin + kCudaTile, e.numel);
     Slice<P, G> s;
@@ -184,17 +184,17 @@ __global__ void __launch_bounds__(kThreads) adamw_kernel(AdamWLaunch L) {
       if constexpr (!std::is_same_v<P, double>) {
         for (int64_t k = begin + int64_t(threadIdx.x) * kVec; k < end; k += kThreads * kVec) {
           if (k + kVec <= end) {
-            update_vec<P, G, AMSGRAD>(s, k, c, L, t, e.state_offset + k);
+            update_vec<P, G, AMSGRAD>(s, k, c, L, key, e.state_offset + k);
           } else {
             for (int64_t kk = k; kk < end; ++kk) {
-              update_one<P, G, AMSGRAD>(s, kk, c, L, t, e.state_offset + kk);
+              update_one<P, G, AMSGRAD>(s, kk, c, L, key, e.state_offset + kk);
             }
           }
         }
       }
     } else {  // a view that is not aligned for wide accesses: scalar accesses, same math
       for (int64_t k = begin + threadIdx.x; k < end; k += kThreads) {
-        update_one<P, G, AMSGRAD>(s, k, c, L, t, e.state_offset + k);
+        update_one<P, G, AMSGRAD>(s, k, c, L, key, e.state_offset + k);
       }
     }
   }
