@@ -309,7 +309,6 @@ class AdamW(Optimizer):
         self._current_plan()  # the buckets adopt the loaded state now; validated above
 
     # ------------------------------------------------------------------ step
-    @torch.no_grad()
     def step(self, closure=None):
         """Perform one optimization step; returns the closure's loss if one is given.
         All or nothing (Note [Atomic step])."""
@@ -317,6 +316,19 @@ class AdamW(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self._step()
+        return loss
+
+    # Note [Steps under torch.compile]
+    # The step is host orchestration around native operators (the plan check and the
+    # gradient gathering are C loops, Note [Fused state coherence]) that dynamo cannot
+    # trace; traced, each of them broke the graph and every LR change recompiled. Excluded
+    # from tracing as a whole, the step costs a compiled region one graph break, reads lr
+    # (a float or a Tensor) at run time, never recompiles for a schedule, and gives the
+    # bits of an eager step.
+    @torch.compiler.disable
+    @torch.no_grad()
+    def _step(self) -> None:
         grad_scale = getattr(self, "grad_scale", None)
         found_inf = getattr(self, "found_inf", None)
 
@@ -425,7 +437,6 @@ class AdamW(Optimizer):
                 )  # fmt: skip
         if stats is not None:
             self.last_report = GradientReport(stats, self.max_grad_norm, found_inf)
-        return loss
 
     # ------------------------------------------------------------------ internals
     def _current_plan(self) -> _fused.FusedPlan:
