@@ -29,6 +29,8 @@ def check_hyperparameters(lr, betas, eps, weight_decay, read_values: bool = True
         raise ValueError(f"Invalid epsilon value: {eps}")
     if not isinstance(betas, (tuple, list)) or len(betas) != 2:
         raise ValueError(f"betas must be a pair of floats, got {betas!r}")
+    if isinstance(betas[0], torch.Tensor) != isinstance(betas[1], torch.Tensor):
+        raise ValueError("betas must be either both floats or both Tensors")  # torch's text
     for i, beta in enumerate(betas):
         if isinstance(beta, torch.Tensor):
             raise ValueError(f"beta parameter at index {i} must be a float, not a Tensor")

@@ -238,6 +238,8 @@ class AdamW(Optimizer):
             tensors = [p[1] if isinstance(p, tuple) and len(p) == 2 else p for p in params]
             for j, p in enumerate(tensors):
                 _fused.check_fused_param(p, gi, j, merged, built=False)
+                if self.hierarchical_stats and isinstance(p, torch.Tensor):
+                    _check_stats_dtype(p.dtype, gi)
             _fused.check_no_duplicates(tensors, gi)
         super().add_param_group({**param_group, "params": params})
 
@@ -392,6 +394,7 @@ class AdamW(Optimizer):
         per_device = _stats.PerDevice()
         if self.hierarchical_stats:
             for c in calls:  # raises for a gradient too large for one report
+                _check_stats_dtype(c.bucket.dtype, c.gi)
                 c.bucket.row_pieces(c.active)
         if len(calls) > 1 or (calls and (new_state or numeric_steps)):
             for c in calls:
@@ -515,6 +518,15 @@ def _in_layout(target: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
             return g
         return torch.empty_like(target, dtype=g.dtype).copy_(g)
     return g if g.is_contiguous() else g.contiguous()
+
+
+def _check_stats_dtype(dtype: torch.dtype, gi: int) -> None:
+    if dtype == torch.float64:
+        raise ValueError(
+            f"hierarchical_stats=True reads FP32, FP16 and BF16 gradients; param group {gi} "
+            "has float64 parameters (FP64 gradients). Use max_grad_norm without "
+            "hierarchical_stats for FP64 models"
+        )
 
 
 def _positions(group: dict, b: _fused.Bucket, active: list[int]) -> str:

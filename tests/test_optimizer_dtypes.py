@@ -277,6 +277,8 @@ def test_tensor_lr_rules_are_torchs():
         with pytest.raises(ValueError, match="Invalid learning rate"):
             opt_cls(p, lr=torch.tensor(-1e-3), **kw)
         opt_cls(p, lr=torch.tensor([1e-3]), **kw)  # one element, any shape
+        with pytest.raises(ValueError, match="betas must be either both floats or both Tensors"):
+            opt_cls(p, betas=(torch.tensor(0.9), 0.999), **kw)
 
 
 def test_tensor_lr_in_state_dict_round_trips():
@@ -402,3 +404,18 @@ def test_16bit_checkpoints_load_both_ways_with_torch(dtype):
         assert_bitwise(st["master_param"], p.detach().float(), "master from the parameter")
     _set_grads(into_ours_p, 4)
     into_ours.step()
+
+
+def test_hierarchical_stats_rejects_float64_params_before_any_write():
+    p = nn.Parameter(torch.randn(10, dtype=torch.float64))
+    with pytest.raises(ValueError, match="hierarchical_stats=True reads FP32, FP16 and BF16"):
+        ruda_torch.AdamW([p], fused_step=True, hierarchical_stats=True)
+    # A parameter made FP64 after construction: rejected by the step, nothing written.
+    q = nn.Parameter(torch.randn(10))
+    opt = ruda_torch.AdamW([q], fused_step=True, hierarchical_stats=True)
+    q.data = q.data.double()
+    q.grad = torch.randn(10, dtype=torch.float64)
+    before = q.detach().clone()
+    with pytest.raises(ValueError, match="param group 0 has float64 parameters"):
+        opt.step()
+    assert torch.equal(q, before) and len(opt.state) == 0
