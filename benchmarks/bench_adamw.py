@@ -1098,6 +1098,14 @@ def _loadavg() -> list[str] | None:
         return None
 
 
+def _busy(loadavg) -> str | None:
+    """A description of a 1-minute load average above half the CPUs, or None."""
+    if not loadavg:
+        return None
+    load, cpus = float(loadavg[0]), os.cpu_count() or 1
+    return f"load average {load} on {cpus} CPUs" if load > 0.5 * cpus else None
+
+
 def _script_name() -> str:
     """This script's path relative to the repository (no machine paths in the record)."""
     return Path(__file__).resolve().relative_to(REPO_ROOT).as_posix()
@@ -1222,6 +1230,12 @@ def parse_args(argv=None):
         help="on CUDA, count host syncs of one step per variant (set_sync_debug_mode)",
     )
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--max-spread",
+        type=float,
+        default=1.5,
+        help="flag a variant whose slowest batch took more than this times its fastest",
+    )
     p.add_argument("--json", type=Path, default=None, help="write all numbers here")
     p.add_argument(
         "--plot",
@@ -1362,9 +1376,26 @@ def main(argv=None) -> int:
     signal.signal(signal.SIGTERM, on_sigterm)  # `timeout` sends SIGTERM: still write JSON
     status = 0
     record["exit_status"] = None
+    busy = _busy(env.get("loadavg"))
+    if busy:
+        print(f"WARNING: {busy} before the run: timings will be noisy")
     try:
         for case in cases:
             out = run_case(case, args, device, grad_dtype)
+            # Note [Noise flags]: a variant whose slowest batch took more than max_spread
+            # times its fastest was disturbed; its ratios are flagged, not silently shown.
+            out["max_spread"] = args.max_spread
+            out["noisy_variants"] = [
+                name for name, r in out["results"].items()
+                if r.get("min_ms") and r["max_ms"] / r["min_ms"] > args.max_spread
+            ]  # fmt: skip
+            if out["noisy_variants"]:
+                print(
+                    f"   WARNING: the batches of {', '.join(out['noisy_variants'])} spread by "
+                    f"more than {args.max_spread}x (max / min): the machine was busy during "
+                    "this case, so its ratios are not trustworthy; rerun it on a quiet machine "
+                    "(the 'fastest' column compares the best batches)"
+                )
             record["cases"].append(out)
             write_json(final=False)
             if out["divergence"]:
@@ -1378,6 +1409,14 @@ def main(argv=None) -> int:
         record["summary"] = print_summary(record["cases"], device) if record["cases"] else {}
         record["environment"]["loadavg_after"] = _loadavg()
         record["exit_status"] = status
+        print(
+            f"load average before {env.get('loadavg')}, after "
+            f"{record['environment']['loadavg_after']} ({os.cpu_count()} CPUs)"
+        )
+        noisy = {c["case"]: c["noisy_variants"] for c in record["cases"] if c.get("noisy_variants")}
+        record["noisy_cases"] = noisy
+        if noisy or _busy(record["environment"]["loadavg_after"]):
+            print("WARNING: noisy run (see the warnings above): rerun before quoting ratios")
         write_json(final=True)
         if args.plot and record["cases"]:
             make_plot(args.plot, record["cases"])

@@ -229,7 +229,8 @@ def main():
     print(f"max |parameter difference|: {max_diff:.3e} (largest |parameter| {max_abs:.3e})")
     print(
         f"median optimizer step (after {skip} warm-up steps): torch {med[0]:.3f} ms, "
-        f"ruda {med[1]:.3f} ms, ratio ruda/torch {med[1] / med[0]:.2f}"
+        f"ruda {med[1]:.3f} ms, speed-up torch/ruda {med[0] / med[1]:.2f} (> 1: ruda faster, "
+        "the benchmarks' convention)"
     )
 
     if not all(math.isfinite(v) for v in final + [max_diff]):
