@@ -128,13 +128,13 @@ def _preload(method: str) -> None:
         multiprocessing.set_forkserver_preload([*_PRELOAD_MODULES, __name__])
 
 
-def _worker(rank: int, scenario: str, store: str, workdir: str, kwargs: dict) -> None:
+def _worker(rank: int, scenario: str, store: str, workdir: str, kwargs: dict, world: int) -> None:
     torch.set_num_threads(1)  # two ranks on two cores; also keeps fork + OpenMP safe
     dist.init_process_group(
         "gloo",
         init_method=f"file://{store}",
         rank=rank,
-        world_size=WORLD,
+        world_size=world,
         timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S),
     )
     try:
@@ -148,8 +148,8 @@ def _worker(rank: int, scenario: str, store: str, workdir: str, kwargs: dict) ->
         dist.destroy_process_group()
 
 
-def run_scenario(tmp_path, scenario: str, **kwargs) -> None:
-    """Run ``SCENARIOS[scenario](rank, workdir, **kwargs)`` on WORLD ranks; a worker's
+def run_scenario(tmp_path, scenario: str, world: int = WORLD, **kwargs) -> None:
+    """Run ``SCENARIOS[scenario](rank, workdir, **kwargs)`` on ``world`` ranks; a worker's
     exception fails the test with its traceback, a run past the timeout kills them."""
     import torch.multiprocessing as mp
 
@@ -161,8 +161,8 @@ def run_scenario(tmp_path, scenario: str, **kwargs) -> None:
         warnings.simplefilter("ignore", DeprecationWarning)
         ctx = mp.start_processes(
             _worker,
-            args=(scenario, str(tmp_path / "store"), str(tmp_path), kwargs),
-            nprocs=WORLD,
+            args=(scenario, str(tmp_path / "store"), str(tmp_path), kwargs, world),
+            nprocs=world,
             join=False,
             start_method=method,
         )
@@ -751,7 +751,37 @@ def scenario_zero_load_after_steps(rank: int, workdir: str, fused: bool) -> None
         torch.testing.assert_close(a, b, rtol=2e-6, atol=1e-7)
 
 
+# Note [Rank order needs three ranks]: with two reports a fold in rank order and one in
+# reverse order add the same two numbers (IEEE addition is commutative), so only three or
+# more ranks can show the order. Local sums of squares 1, 2^-24, 2^-24 fold in rank order
+# to (1 + 2^-24) + 2^-24 = 1 (each addition a tie, rounded to even) and in any order that
+# adds the two small ones first to 1 + 2^-23; with the large one last, the other way round.
+RANK_ORDER_GRADS = {
+    "large-first": (1.0, 2.0**-12, 2.0**-12),
+    "large-last": (2.0**-12, 2.0**-12, 1.0),
+}
+
+
+def scenario_rank_order(rank: int, workdir: str, layout: str) -> None:
+    grads = RANK_ORDER_GRADS[layout]
+    p = nn.Parameter(torch.zeros(1))
+    p.grad = torch.tensor([grads[rank]])
+    opt = ruda_torch.AdamW([p], fused_step=True, hierarchical_stats=True,
+                           process_group=dist.group.WORLD)  # fmt: skip
+    opt.step()
+    squares = [torch.tensor(g * g, dtype=torch.float32) for g in grads]
+    in_rank_order = (squares[0] + squares[1]) + squares[2]
+    reversed_order = (squares[2] + squares[1]) + squares[0]
+    assert in_rank_order.item() != reversed_order.item(), "the case must tell the orders apart"
+    got = opt.last_report.tensor[0]
+    assert got.item() == in_rank_order.item(), (
+        f"rank {rank}: global sum of squares {got.item()!r}, rank order gives "
+        f"{in_rank_order.item()!r}, reverse order {reversed_order.item()!r}"
+    )
+
+
 SCENARIOS = {
+    "rank-order": scenario_rank_order,
     "zero-load-after-steps": scenario_zero_load_after_steps,
     "training": scenario_training,
     "clipping-without-statistics": scenario_clipping_without_statistics,
@@ -808,3 +838,9 @@ def test_example_fsdp_train_resumes_bit_identically(tmp_path, flags):
 @pytest.mark.parametrize("fused", [True, False], ids=["fused", "generic"])
 def test_zero_redundancy_optimizer_load_into_a_stepped_optimizer(tmp_path, fused):
     run_scenario(tmp_path, "zero-load-after-steps", fused=fused)
+
+
+@pytest.mark.parametrize("layout", list(RANK_ORDER_GRADS))
+def test_global_report_folds_three_ranks_in_rank_order(tmp_path, layout):
+    """Note [Rank order needs three ranks]."""
+    run_scenario(tmp_path, "rank-order", world=3, layout=layout)
