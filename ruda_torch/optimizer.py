@@ -124,6 +124,11 @@ class AdamW(Optimizer):
             the statistics and clipping use the global norm (docs/fsdp.md). FSDP2
             DTensor parameters take their groups from the mesh; DDP needs none.
             Optimizer-wide, never stored in the state dict. ``deepcopy`` shares it.
+        partition_group (default None): the same, spelled for ``ZeroRedundancyOptimizer``
+            (which consumes ``process_group`` itself and builds this optimizer on each
+            rank's partition of the parameters): the group the parameters are
+            partitioned over, so that the statistics, the skip decision and clipping are
+            global over all partitions. Give one of the two, or both the same.
 
     Migration from ``torch.optim.AdamW``: pass ``eps=1e-8, weight_decay=1e-2`` to keep
     torch's defaults. ``state_dict()`` has torch's format; checkpoints load both ways.
@@ -157,8 +162,18 @@ class AdamW(Optimizer):
         hierarchical_stats: bool = False,
         max_grad_norm: float | None = None,
         process_group=None,
+        partition_group=None,
     ):
         check_hyperparameters(lr, betas, eps, weight_decay)
+        if partition_group is not None:
+            check_process_group(partition_group)
+            if process_group is not None and process_group is not partition_group:
+                raise ValueError(
+                    "process_group and partition_group name two different groups; they are "
+                    "one setting (partition_group is its name under ZeroRedundancyOptimizer, "
+                    "which keeps process_group for itself): give one"
+                )
+            process_group = partition_group
         if hierarchical_stats and not fused_step:
             raise ValueError(
                 "hierarchical_stats=True requires fused_step=True (the statistics feed the "

@@ -751,6 +751,52 @@ def scenario_zero_load_after_steps(rank: int, workdir: str, fused: bool) -> None
         torch.testing.assert_close(a, b, rtol=2e-6, atol=1e-7)
 
 
+def scenario_zero_global_statistics(rank: int, workdir: str) -> None:
+    """ZeroRedundancyOptimizer with hierarchical_stats and max_grad_norm: given
+    partition_group, every rank's report is the one over all ranks' partitions (each
+    rank's partition report folded in rank order), the clip uses the global norm, and a
+    NaN in one rank's partition skips the step on every rank."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    other = dist.new_group(ranks=list(range(WORLD)))  # the same ranks, another group object
+    with pytest.raises(ValueError, match="process_group and partition_group name two different"):
+        ruda_torch.AdamW(make_model().parameters(), process_group=dist.group.WORLD,
+                         partition_group=other)  # fmt: skip
+    same = ruda_torch.AdamW(make_model().parameters(), process_group=other, partition_group=other)
+    assert same.process_group is other
+    model = make_model()
+    opt = ZeroRedundancyOptimizer(
+        model.parameters(), optimizer_class=ruda_torch.AdamW, **HP, fused_step=True,
+        hierarchical_stats=True, max_grad_norm=MAX_GRAD_NORM, partition_group=dist.group.WORLD,
+    )  # fmt: skip
+    local = opt.optim
+    x, y = global_batch(0)
+    loss_fn(model(x), y).backward()
+    mine = [p for g in local.param_groups for p in g["params"]]
+    assert mine and len(mine) < len(list(model.parameters())), "each rank holds a part"
+    every = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
+    before = [p.detach().clone() for p in model.parameters()]
+    opt.step()
+    report = local.last_report.tensor
+    norm = report[0].sqrt().item()
+    torch.testing.assert_close(norm, every.double().norm().item(), rtol=1e-6, atol=0)
+    gathered = all_gather(report)
+    assert all(same_bits(r, gathered[0]) for r in gathered), "ranks disagree on the report"
+    assert local.last_report.clip_coef.item() < 1.0 or norm <= MAX_GRAD_NORM
+    moved = [not torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True)]
+    assert all(moved), "a finite global step updates every partition"
+    # A NaN in rank 1's partition only: no rank steps.
+    opt.zero_grad(set_to_none=True)
+    loss_fn(model(x), y).backward()
+    if rank == 1:
+        mine[0].grad.view(-1)[0] = float("nan")
+    before = [p.detach().clone() for p in model.parameters()]
+    opt.step()
+    assert local.last_report.tensor[2].item() == 1.0, "the non-finite count is global"
+    for a, b in zip(before, model.parameters(), strict=True):
+        assert torch.equal(a, b), "a rank stepped although another rank's gradient was NaN"
+
+
 # Note [Rank order needs three ranks]: with two reports a fold in rank order and one in
 # reverse order add the same two numbers (IEEE addition is commutative), so only three or
 # more ranks can show the order. Local sums of squares 1, 2^-24, 2^-24 fold in rank order
@@ -782,6 +828,7 @@ def scenario_rank_order(rank: int, workdir: str, layout: str) -> None:
 
 SCENARIOS = {
     "rank-order": scenario_rank_order,
+    "zero-global-statistics": scenario_zero_global_statistics,
     "zero-load-after-steps": scenario_zero_load_after_steps,
     "training": scenario_training,
     "clipping-without-statistics": scenario_clipping_without_statistics,
@@ -844,3 +891,7 @@ def test_zero_redundancy_optimizer_load_into_a_stepped_optimizer(tmp_path, fused
 def test_global_report_folds_three_ranks_in_rank_order(tmp_path, layout):
     """Note [Rank order needs three ranks]."""
     run_scenario(tmp_path, "rank-order", world=3, layout=layout)
+
+
+def test_zero_redundancy_optimizer_global_statistics_with_partition_group(tmp_path):
+    run_scenario(tmp_path, "zero-global-statistics")
