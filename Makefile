@@ -129,7 +129,7 @@ test: $(BUILD_STAMP)
 	exit $$rc
 
 demo: $(BUILD_STAMP)
-	$(PY) examples/train_mlp.py $(DEMO_ARGS)
+	$(PY) examples/train_mlp.py --plot out/demo.png $(DEMO_ARGS)
 
 bench: $(BUILD_STAMP)
 	@if [ ! -f benchmarks/bench_adamw.py ]; then \

@@ -12,6 +12,7 @@ every hyperparameter is passed explicitly to both optimizers.
     python examples/train_mlp.py                    # CPU, about 300 steps
     python examples/train_mlp.py --device cuda      # on a GPU
     python examples/train_mlp.py --clip 1.0         # global-norm clipping on both sides
+    python examples/train_mlp.py --plot out/demo.png  # also draw the curves (matplotlib)
 
 The timing columns are the optimizer step alone (with --clip, torch's clip_grad_norm_ plus
 its step, against our step that clips inside), median over each reporting interval. The run
@@ -71,6 +72,13 @@ def parse_args():
     )
     p.add_argument("--report-every", type=int, default=25, help="table row interval (default 25)")
     p.add_argument(
+        "--plot",
+        default=None,
+        metavar="PNG",
+        help="write training and eval loss of both optimizers and their step times to this "
+        "PNG (needs matplotlib, in requirements-dev.txt)",
+    )
+    p.add_argument(
         "--max-loss-rel-diff",
         type=float,
         default=0.05,
@@ -124,6 +132,8 @@ class Run:
         self.clip_outside = clip_outside  # torch side: clip_grad_norm_ before step()
         self.device = device
         self.step_ms = []
+        self.train_losses = []
+        self.eval_losses = []  # (step, loss)
 
     def train_step(self, x, y):
         self.optimizer.zero_grad(set_to_none=True)
@@ -136,11 +146,42 @@ class Run:
         self.optimizer.step()
         sync(self.device)
         self.step_ms.append(1e3 * (time.perf_counter() - start))
+        self.train_losses.append(loss.detach())
         return loss.detach()
 
     @torch.no_grad()
     def eval_loss(self, x, y):
         return nn.functional.mse_loss(self.model(x), y).item()
+
+
+def write_plot(path, runs, args):
+    """Training loss, eval loss and optimizer step time of both runs, as a PNG."""
+    import os
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(14, 4))
+    for run, style in zip(runs, ("-", "--"), strict=True):
+        label = "torch.optim.AdamW" if run.name == "torch" else "ruda_torch.AdamW(fused_step=True)"
+        losses = [loss.item() for loss in run.train_losses]
+        axes[0].plot(range(1, len(losses) + 1), losses, style, label=label, linewidth=1)
+        steps, evals = zip(*run.eval_losses, strict=True)
+        axes[1].plot(steps, evals, style, marker="o", markersize=3, label=label)
+        axes[2].plot(range(1, len(run.step_ms) + 1), run.step_ms, style, label=label, linewidth=1)
+    axes[0].set(title="training loss (batch)", xlabel="step", yscale="log")
+    axes[1].set(title="eval loss", xlabel="step", yscale="log")
+    axes[2].set(title="optimizer step time", xlabel="step", ylabel="ms", yscale="log")
+    for ax in axes:
+        ax.legend(fontsize=8)
+    fig.suptitle(f"MLP {args.hidden} hidden, {args.steps} steps, lr={args.lr:g}", fontsize=10)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    print(f"plot: {os.path.abspath(path)}")
 
 
 def main():
@@ -192,6 +233,8 @@ def main():
     print(header)
     print("-" * len(header))
     init = [run.eval_loss(x_eval, y_eval) for run in runs]
+    for run, loss in zip(runs, init, strict=True):
+        run.eval_losses.append((0, loss))
     print(f"{0:>6} | {init[0]:>15.6f} | {init[1]:>14.6f} | {'-':>17} | {'-':>16}")
 
     gen = torch.Generator().manual_seed(args.seed + 2)
@@ -204,6 +247,8 @@ def main():
             run.train_step(x, y)
         if step % args.report_every == 0 or step == args.steps:
             losses = [run.eval_loss(x_eval, y_eval) for run in runs]
+            for run, loss in zip(runs, losses, strict=True):
+                run.eval_losses.append((step, loss))
             times = [statistics.median(run.step_ms[last_report:step]) for run in runs]
             print(
                 f"{step:>6} | {losses[0]:>15.6f} | {losses[1]:>14.6f} | "
@@ -232,6 +277,9 @@ def main():
         f"ruda {med[1]:.3f} ms, speed-up torch/ruda {med[0] / med[1]:.2f} (> 1: ruda faster, "
         "the benchmarks' convention)"
     )
+
+    if args.plot:
+        write_plot(args.plot, runs, args)
 
     if not all(math.isfinite(v) for v in final + [max_diff]):
         print("FAILED: a loss or parameter is not finite", file=sys.stderr)
