@@ -48,13 +48,15 @@ BUILD_SWITCHES := RUDA_TORCH_CUDA=$(RUDA_TORCH_CUDA) CUDA_HOME=$(CUDA_HOME) \
 	TORCH_CUDA_ARCH_LIST=$(TORCH_CUDA_ARCH_LIST) RUDA_TORCH_CPU_ISA=$(RUDA_TORCH_CPU_ISA)
 
 .DEFAULT_GOAL := help
-.PHONY: help deps build test test-cpu-torch demo bench regressions gpu-check check format versions clean distclean FORCE
+.PHONY: help deps build test test-integrations test-cpu-torch demo bench regressions gpu-check check format versions clean distclean FORCE
 
 help:
 	@echo "make test       set up .venv, build the extension, run the test suite"
 	@echo "make demo       set up and build, then train a small MLP with torch's and our AdamW"
 	@echo "make build      set up .venv and build the extension only"
 	@echo "make bench      set up and build, then run benchmarks/bench_adamw.py"
+	@echo "make test-integrations  install requirements-integrations.txt into .venv (HF"
+	@echo "                transformers, accelerate, Lightning) and run tests/integrations"
 	@echo "make test-cpu-torch  build against the CPU-only torch 2.13.0 in .venv-cpu (CPU kernels"
 	@echo "                only) and run the kernel tests there"
 	@echo "make regressions  oracle + host suites through tools/run_adamw_regressions.py (JSON record)"
@@ -122,11 +124,22 @@ build: $(BUILD_STAMP)
 # pytest exits with 5 when it collects no tests: that is a failure too (make stops on any
 # nonzero status). .ci/pytest_gpu_summary.py prints how many `gpu` tests were skipped.
 test: $(BUILD_STAMP)
-	@echo "$(PY) -m pytest tests -q -ra $(PYTEST_ARGS)"
+	@echo "$(PY) -m pytest tests -q -ra --ignore=tests/integrations $(PYTEST_ARGS)"
 	@rc=0; PYTHONPATH=.ci$${PYTHONPATH:+:$$PYTHONPATH} \
-		$(PY) -m pytest tests -q -ra -p pytest_gpu_summary $(PYTEST_ARGS) || rc=$$?; \
+		$(PY) -m pytest tests -q -ra -p pytest_gpu_summary --ignore=tests/integrations \
+		$(PYTEST_ARGS) || rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests (exit 5)" >&2; fi; \
 	exit $$rc
+
+# The trainers' packages go into .venv on top of the development ones (not into
+# requirements-dev.txt: `make test` does not need them and stays smaller).
+INTEGRATIONS_STAMP := $(STAMPS)/.stamp-integrations
+$(INTEGRATIONS_STAMP): requirements-integrations.txt $(DEPS_STAMP)
+	$(PY) -m pip install -r requirements-integrations.txt
+	@touch $@
+
+test-integrations: $(BUILD_STAMP) $(INTEGRATIONS_STAMP)
+	$(PY) -m pytest tests/integrations -q -ra $(PYTEST_ARGS)
 
 demo: $(BUILD_STAMP)
 	$(PY) examples/train_mlp.py --plot out/demo.png $(DEMO_ARGS)

@@ -271,6 +271,20 @@ SCHEDULERS = {
     "OneCycleLR": lambda opt: torch.optim.lr_scheduler.OneCycleLR(
         opt, max_lr=[1e-2, 2e-2], total_steps=12, pct_start=0.4
     ),
+    # Stochastic weight averaging's schedule: anneals every group to swa_lr.
+    "SWALR": lambda opt: torch.optim.swa_utils.SWALR(opt, swa_lr=1e-4, anneal_epochs=5),
+    "CosineAnnealingWarmRestarts": lambda opt: torch.optim.lr_scheduler.CosineAnnealingWarmRestarts(
+        opt, T_0=4
+    ),
+    "SequentialLR": lambda opt: torch.optim.lr_scheduler.SequentialLR(
+        opt,
+        [
+            torch.optim.lr_scheduler.LinearLR(opt, start_factor=0.1, total_iters=3),
+            torch.optim.lr_scheduler.ExponentialLR(opt, gamma=0.8),
+        ],
+        milestones=[3],
+    ),  # fmt: skip
+    "LambdaLR": lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s)),
 }
 
 
