@@ -58,7 +58,7 @@ help:
 	@echo "make test-integrations  install requirements-integrations.txt into .venv (HF"
 	@echo "                transformers, accelerate, Lightning) and run tests/integrations"
 	@echo "make test-cpu-torch  build against the CPU-only torch 2.13.0 in .venv-cpu (CPU kernels"
-	@echo "                only) and run the kernel tests there"
+	@echo "                only) and run the kernel, optimizer and distributed tests there"
 	@echo "make regressions  oracle + host suites through tools/run_adamw_regressions.py (JSON record)"
 	@echo "make gpu-check  on a GPU machine: build, GPU tests, GPU benchmark (tools/gpu_check.sh)"
 	@echo "make check      ruff check, ruff format --check, clang-format --dry-run over csrc/"
@@ -188,7 +188,12 @@ format: $(LINT_STAMP)
 # repository so that they import the package installed in $(CPU_VENV).
 CPU_VENV ?= .venv-cpu
 CPU_TORCH ?= torch==2.13.0
-CPU_TESTS ?= tests/test_fixtures.py tests/test_stats.py tests/test_ops.py
+# The kernels, the optimizer (coherence, dtypes, compile) and the distributed setups on the
+# older torch as well (FSDP1, FSDP2, DDP and ZeRO on gloo).
+CPU_TESTS ?= tests/test_fixtures.py tests/test_stats.py tests/test_ops.py \
+	tests/test_param_dtypes.py tests/test_optimizer.py tests/test_coherence.py \
+	tests/test_optimizer_stats.py tests/test_optimizer_dtypes.py tests/test_compile.py \
+	tests/test_distributed.py
 
 $(CPU_VENV)/.stamp-deps:
 	$(PYTHON) -m venv $(CPU_VENV)
