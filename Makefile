@@ -18,6 +18,9 @@ VENV ?= .venv
 # $(VENV) (for a machine with torch preinstalled and no package registry).
 NO_VENV ?=
 PYTEST_ARGS ?=
+# pytest-xdist workers of `make test`: auto (one per core) or a number; 0 runs serially.
+# Measured on 2 cores: 87 s against 94 s serially (the kernels use both cores already).
+PYTEST_WORKERS ?= auto
 DEMO_ARGS ?=
 BENCH_ARGS ?=
 
@@ -124,10 +127,10 @@ build: $(BUILD_STAMP)
 # pytest exits with 5 when it collects no tests: that is a failure too (make stops on any
 # nonzero status). .ci/pytest_gpu_summary.py prints how many `gpu` tests were skipped.
 test: $(BUILD_STAMP)
-	@echo "$(PY) -m pytest tests -q -ra --ignore=tests/integrations $(PYTEST_ARGS)"
+	@echo "$(PY) -m pytest tests -q -ra -n $(PYTEST_WORKERS) --ignore=tests/integrations $(PYTEST_ARGS)"
 	@rc=0; PYTHONPATH=.ci$${PYTHONPATH:+:$$PYTHONPATH} \
-		$(PY) -m pytest tests -q -ra -p pytest_gpu_summary --ignore=tests/integrations \
-		$(PYTEST_ARGS) || rc=$$?; \
+		$(PY) -m pytest tests -q -ra -n $(PYTEST_WORKERS) -p pytest_gpu_summary \
+		--ignore=tests/integrations $(PYTEST_ARGS) || rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests (exit 5)" >&2; fi; \
 	exit $$rc
 

@@ -31,6 +31,11 @@ def pytest_unconfigure(config):
     for outcome in _outcomes.values():
         counts[outcome] = counts.get(outcome, 0) + 1
     torch = sys.modules.get("torch")
+    if torch is None:  # under pytest-xdist the controller never imported it
+        try:
+            import torch
+        except ImportError:
+            torch = None
     gpu = "unknown" if torch is None else str(torch.cuda.is_available())
     if not _outcomes:
         print(f"GPU tests (marked gpu): none ran (torch.cuda.is_available(): {gpu})", flush=True)
