@@ -7,10 +7,12 @@
 - ``ruda_torch.StatsPlan``: the reduction plan of the gradient statistics.
 - ``ruda_torch.ops``: the native operators; ``ruda_torch.reference``: the FP64 oracle
   (imported explicitly).
+- ``ruda_torch.amp.GradScaler``: ``torch.amp.GradScaler`` whose ``step`` takes the
+  non-finite check from the optimizer's statistics instead of a pass of its own.
 - ``ruda_torch.compiled_backends()``: which kernels this build contains.
 """
 
-from . import ops
+from . import amp, ops
 from ._build import compiled_backends
 from .functional import AdamWOptions, AdamWState, StepControl, StepResult, adamw_step
 from .optimizer import AdamW, GradientReport
@@ -27,6 +29,7 @@ __all__ = [
     "StepControl",
     "StepResult",
     "adamw_step",
+    "amp",
     "compiled_backends",
     "ops",
 ]
