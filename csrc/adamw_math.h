@@ -29,11 +29,14 @@ constexpr uint64_t kCanonicalNaNBits64 = 0x7FFFFFFFFFFFFFFFull;
 // FP16 and BF16 parameters store a NaN as 0x7FFF (CUDA's conversions make it too).
 constexpr uint16_t kCanonicalNaNBits16 = 0x7FFFu;
 
-// Scalar operations for V = float; the CPU file supplies the Vectorized<float> twin.
+// Scalar operations for V = float, and V = double for FP64 parameters (Note [Parameter
+// dtypes]); the CPU file supplies the Vectorized twins.
 struct ScalarOps {
   RUDA_HOST_DEVICE static inline float sqrt(float x) { return ::sqrtf(x); }
+  RUDA_HOST_DEVICE static inline double sqrt(double x) { return ::sqrt(x); }
   // IEEE maximum: NaN if either operand is NaN (at::vec::maximum does the same).
-  RUDA_HOST_DEVICE static inline float max(float a, float b) {
+  template <typename T>
+  RUDA_HOST_DEVICE static inline T max(T a, T b) {
     if (a != a) return a;
     if (b != b) return b;
     return a > b ? a : b;
@@ -48,15 +51,6 @@ struct ScalarOps {
     return nan;
 #endif
   }
-  RUDA_HOST_DEVICE static inline float canonical(float x) { return x == x ? x : canonical_nan(); }
-
-  // FP64 twins for FP64 parameters (Note [Parameter dtypes]).
-  RUDA_HOST_DEVICE static inline double sqrt(double x) { return ::sqrt(x); }
-  RUDA_HOST_DEVICE static inline double max(double a, double b) {
-    if (a != a) return a;
-    if (b != b) return b;
-    return a > b ? a : b;
-  }
   RUDA_HOST_DEVICE static inline double canonical_nan_f64() {
 #if defined(__CUDA_ARCH__)
     return __longlong_as_double(static_cast<long long>(kCanonicalNaNBits64));
@@ -67,8 +61,14 @@ struct ScalarOps {
     return nan;
 #endif
   }
-  RUDA_HOST_DEVICE static inline double canonical(double x) {
-    return x == x ? x : canonical_nan_f64();
+  template <typename T>
+  RUDA_HOST_DEVICE static inline T canonical(T x) {
+    if (x == x) return x;
+    if constexpr (sizeof(T) == sizeof(double)) {
+      return canonical_nan_f64();
+    } else {
+      return canonical_nan();
+    }
   }
 };
 

@@ -70,28 +70,30 @@ def _ruda_breaks() -> list[str]:
     return ours
 
 
+def _compiled(mode: str, sched: str, lr_kind: str):
+    """A fresh dynamo, a 100-step run, no recompiles after the first steps; the model and
+    ruda_torch's graph breaks."""
+    torch._dynamo.reset()
+    counters.clear()
+    model, graphs = _train(mode, sched, _lr(lr_kind))
+    assert graphs[4] == graphs[-1], f"recompiled after the first steps: {graphs[4]} -> {graphs[-1]}"
+    return model, _ruda_breaks()
+
+
 @pytest.mark.parametrize("lr_kind", ["float", "tensor"])
 @pytest.mark.parametrize("sched", list(SCHEDULES))
 def test_compiled_opt_step_gives_eager_bits_without_recompiles(sched, lr_kind):
-    torch._dynamo.reset()
-    counters.clear()
-    compiled, graphs = _train("step", sched, _lr(lr_kind))
-    ours = _ruda_breaks()
+    compiled, ours = _compiled("step", sched, lr_kind)
     eager, _ = _train("", sched, _lr(lr_kind))
     for a, b in zip(compiled.parameters(), eager.parameters(), strict=True):
         assert_bitwise(a, b, f"{sched}: torch.compile(opt.step) vs eager")
-    assert graphs[4] == graphs[-1], f"recompiled after the first steps: {graphs[4]} -> {graphs[-1]}"
     assert len(ours) <= 1 and all("AdamW._step" in m for m in ours), ours
 
 
 @pytest.mark.parametrize("lr_kind", ["float", "tensor"])
 @pytest.mark.parametrize("sched", list(SCHEDULES))
 def test_compiled_train_step_breaks_once_for_the_step_and_never_recompiles(sched, lr_kind):
-    torch._dynamo.reset()
-    counters.clear()
-    _, graphs = _train("train_step", sched, _lr(lr_kind))
-    ours = _ruda_breaks()
-    assert graphs[4] == graphs[-1], f"recompiled after the first steps: {graphs[4]} -> {graphs[-1]}"
+    _, ours = _compiled("train_step", sched, lr_kind)
     # With a scheduler, torch's own wrapper of opt.step (lr_scheduler.py, force-skipped by
     # dynamo) already breaks there; ruda_torch adds at most its one excluded step.
     assert len(ours) <= 1 and all("AdamW._step" in m for m in ours), ours
