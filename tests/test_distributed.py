@@ -564,7 +564,8 @@ def scenario_errors_fsdp2(rank: int, workdir: str) -> None:
 
 
 # Note [FSDP1 full model state dict with CPU offload on torch 2.13]
-# On torch 2.13.0 (measured; 2.14.1 is fixed) get_model_state_dict(full_state_dict=True,
+# On torch 2.11.0, 2.12.1 and 2.13.0 (measured with torch.optim.AdamW alone; 2.14.1 is
+# fixed; 2.10 and older not measured) get_model_state_dict(full_state_dict=True,
 # cpu_offload=True) of an FSDP1 model (use_orig_params=False) on the CPU raises inside
 # torch, for torch.optim.AdamW as for ruda_torch.AdamW: "setStorage: sizes [91] ... out of
 # bounds for storage of size 0" from FlatParamHandle._get_unflat_views while unsharding
