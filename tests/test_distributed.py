@@ -569,7 +569,9 @@ def scenario_errors_fsdp2(rank: int, workdir: str) -> None:
 # cpu_offload=True) of an FSDP1 model (use_orig_params=False) on the CPU raises inside
 # torch, for torch.optim.AdamW as for ruda_torch.AdamW: "setStorage: sizes [91] ... out of
 # bounds for storage of size 0" from FlatParamHandle._get_unflat_views while unsharding
-# (torch/distributed/fsdp/_flat_param.py). Without the offload it works; docs/fsdp.md.
+# (torch/distributed/fsdp/_flat_param.py; pytorch/pytorch#188989: the to_cpu context frees
+# the unsharded flat parameter although it already is on the CPU). Without the offload
+# it works; docs/fsdp.md.
 _TORCH_2_14 = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 14)
 
 
