@@ -29,6 +29,37 @@ constexpr uint64_t kCanonicalNaNBits64 = 0x7FFFFFFFFFFFFFFFull;
 // FP16 and BF16 parameters store a NaN as 0x7FFF (CUDA's conversions make it too).
 constexpr uint16_t kCanonicalNaNBits16 = 0x7FFFu;
 
+// Bit patterns of floating values, the same operation on both backends.
+RUDA_HOST_DEVICE inline uint32_t float_bits(float x) {
+#if defined(__CUDA_ARCH__)
+  return __float_as_uint(x);
+#else
+  uint32_t b;
+  std::memcpy(&b, &x, sizeof(b));
+  return b;
+#endif
+}
+
+RUDA_HOST_DEVICE inline float float_from_bits(uint32_t b) {
+#if defined(__CUDA_ARCH__)
+  return __uint_as_float(b);
+#else
+  float x;
+  std::memcpy(&x, &b, sizeof(x));
+  return x;
+#endif
+}
+
+RUDA_HOST_DEVICE inline double double_from_bits(uint64_t b) {
+#if defined(__CUDA_ARCH__)
+  return __longlong_as_double(static_cast<long long>(b));
+#else
+  double x;
+  std::memcpy(&x, &b, sizeof(x));
+  return x;
+#endif
+}
+
 // Scalar operations for V = float, and V = double for FP64 parameters (Note [Parameter
 // dtypes]); the CPU file supplies the Vectorized twins.
 struct ScalarOps {
@@ -41,34 +72,17 @@ struct ScalarOps {
     if (b != b) return b;
     return a > b ? a : b;
   }
-  RUDA_HOST_DEVICE static inline float canonical_nan() {
-#if defined(__CUDA_ARCH__)
-    return __int_as_float(static_cast<int>(kCanonicalNaNBits));
-#else
-    float nan;
-    const uint32_t bits = kCanonicalNaNBits;
-    std::memcpy(&nan, &bits, sizeof(nan));
-    return nan;
-#endif
-  }
-  RUDA_HOST_DEVICE static inline double canonical_nan_f64() {
-#if defined(__CUDA_ARCH__)
-    return __longlong_as_double(static_cast<long long>(kCanonicalNaNBits64));
-#else
-    double nan;
-    const uint64_t bits = kCanonicalNaNBits64;
-    std::memcpy(&nan, &bits, sizeof(nan));
-    return nan;
-#endif
+  template <typename T>
+  RUDA_HOST_DEVICE static inline T canonical_nan() {
+    if constexpr (sizeof(T) == sizeof(double)) {
+      return double_from_bits(kCanonicalNaNBits64);
+    } else {
+      return float_from_bits(kCanonicalNaNBits);
+    }
   }
   template <typename T>
   RUDA_HOST_DEVICE static inline T canonical(T x) {
-    if (x == x) return x;
-    if constexpr (sizeof(T) == sizeof(double)) {
-      return canonical_nan_f64();
-    } else {
-      return canonical_nan();
-    }
+    return x == x ? x : canonical_nan<T>();
   }
 };
 
@@ -87,8 +101,9 @@ RUDA_HOST_DEVICE inline double pow_int(double base, int64_t e) {
 // 1 - beta^t is computed in FP64 by integer exponentiation and cast once to FP32, as
 // SPEC section 1 asks. The kernels evaluate it from the step counter that lives in
 // device memory, so the host never needs to know t (no host sync).
-RUDA_HOST_DEVICE inline float bias_correction(double beta, int64_t t) {
-  return static_cast<float>(1.0 - pow_int(beta, t));
+template <typename M = float>
+RUDA_HOST_DEVICE inline M bias_correction(double beta, int64_t t) {
+  return static_cast<M>(1.0 - pow_int(beta, t));
 }
 
 // Note [Step counter range]
@@ -170,8 +185,8 @@ RUDA_HOST_DEVICE inline StepCoefs<M> make_coefs(const AdamWHyper& h, float facto
   c.eps = static_cast<M>(h.eps);
   c.lr = static_cast<M>(lr);
   c.decay = static_cast<M>(1.0 - lr * h.weight_decay);
-  c.bc1 = static_cast<M>(1.0 - pow_int(h.beta1, t));
-  c.bc2 = static_cast<M>(1.0 - pow_int(h.beta2, t));
+  c.bc1 = bias_correction<M>(h.beta1, t);
+  c.bc2 = bias_correction<M>(h.beta2, t);
   return c;
 }
 
@@ -248,6 +263,38 @@ RUDA_HOST_DEVICE inline uint32_t rounding_bits(uint32_t key, int64_t index) {
   h *= 0xC2B2AE35u;
   h ^= h >> 16;
   return h;
+}
+
+// The 16-bit parameter's bits written for the FP32 result x of element `index`, FP16
+// (IS_HALF) or BF16 (Note [Parameter dtypes]); `key` is rounding_key(seed, t).
+template <bool IS_HALF>
+RUDA_HOST_DEVICE inline uint16_t round_nearest16(uint32_t x) {
+  if constexpr (IS_HALF) {
+    return round_to_half(x);
+  } else {
+    return round_to_bf16(x);
+  }
+}
+
+template <bool IS_HALF>
+RUDA_HOST_DEVICE inline uint16_t round_param(float x, Rounding rounding, uint32_t key,
+                                             int64_t index) {
+  const uint32_t bits = float_bits(x);
+  if constexpr (!IS_HALF) {
+    if (rounding == Rounding::kStochastic) {
+      return round_bf16_stochastic(bits, rounding_bits(key, index));
+    }
+  }
+  return round_nearest16<IS_HALF>(bits);
+}
+
+// The FP32 value updated for a 16-bit parameter with master weights (Note [Master
+// weights] in ruda_torch/_fused.py): the master while the parameter (bits `param`,
+// `widened` exactly to FP32) still holds it rounded to nearest even, else the parameter's
+// own value (it was written since).
+template <bool IS_HALF>
+RUDA_HOST_DEVICE inline float master_or_param(float master, uint16_t param, float widened) {
+  return round_nearest16<IS_HALF>(float_bits(master)) == param ? master : widened;
 }
 
 // SPEC section 1, one element (or one vector of elements):

@@ -180,16 +180,20 @@ class Bucket:
             return flat.view(t.shape)
         return flat.as_strided(t.shape, t.stride())
 
+    def _staged_active(self, active: list[int]) -> list[int]:
+        if len(active) == len(self.params):
+            return self.staged
+        chosen = set(active)
+        return [i for i in self.staged if i in chosen]
+
     def stage_in(self, active: list[int]) -> None:
         """Copy the active non-dense parameters into their staging tensors."""
-        for i in self.staged:
-            if i in active:
-                self.targets[i].copy_(local(self.params[i]))
+        for i in self._staged_active(active):
+            self.targets[i].copy_(local(self.params[i]))
 
     def stage_out(self, active: list[int]) -> None:
-        for i in self.staged:
-            if i in active:
-                local(self.params[i]).copy_(self.targets[i])
+        for i in self._staged_active(active):
+            local(self.params[i]).copy_(self.targets[i])
 
     def owns(self, i: int, entry) -> bool:
         """``entry`` holds exactly the views of slot i for every key this bucket manages,

@@ -192,14 +192,9 @@ def adamw_step(
                                None if max_sq is None else max_sq.view_as(params))  # fmt: skip
         if control.skip_update is True:
             return StepResult(params, new_state, False)
-        lr, lr_tensor = options.lr, None
-        if isinstance(lr, torch.Tensor):  # read from memory (on the CPU: at the call)
-            lr_tensor = lr.detach().reshape(1)
-            if lr_tensor.device.type != "cpu" and lr_tensor.device != device:
-                lr_tensor = lr_tensor.to(device, non_blocking=device.type == "cuda")
-            if lr_tensor.dtype not in (torch.float32, torch.float64):
-                lr_tensor = lr_tensor.to(torch.float64)
-            lr = 0.0
+        lr = options.lr  # a Tensor lr is read from memory (on the CPU: at the call)
+        if isinstance(lr, torch.Tensor) and lr.device.type != "cpu" and lr.device != device:
+            lr = lr.to(device, non_blocking=device.type == "cuda")
         ops.adamw_scaled_(
             [params.view(-1)],
             [gradient.detach().contiguous().view(-1)],
@@ -209,7 +204,6 @@ def adamw_step(
             steps,
             torch.zeros((1, 2), dtype=torch.int64),
             lr=lr,
-            lr_tensor=lr_tensor,
             beta1=options.betas[0],
             beta2=options.betas[1],
             eps=options.eps,

@@ -21,7 +21,7 @@ def adamw_scaled_(
     steps: torch.Tensor,
     slots: torch.Tensor,
     *,
-    lr: float,
+    lr: float | torch.Tensor,
     beta1: float,
     beta2: float,
     eps: float,
@@ -52,9 +52,9 @@ def adamw_scaled_(
     computed in FP32 from ``master`` (a flat FP32 buffer like ``exp_avg``, updated in
     place) when given, else from the parameter, and written back rounded to nearest even,
     or for BF16 without ``master`` stochastically with ``stochastic_rounding`` (random
-    bits from ``seed``, the step counter and the element's state offset). ``lr_tensor``
-    (one FP32/FP64 element) replaces ``lr``: on the CPU it is read at the call, on the
-    parameters' device by the kernel. ``grad_scale``/``found_inf``
+    bits from ``seed``, the step counter and the element's state offset). A Tensor lr
+    (one floating element, as ``lr=`` or ``lr_tensor=``) replaces the float: on the CPU
+    it is read at the call, on the parameters' device by the kernel. ``grad_scale``/``found_inf``
     (1 element), ``stats`` (the 3-float report) and ``clip_coef`` (1 element) live on
     the parameters' device and are read by the kernel: no host sync. The step is skipped
     (nothing written, counters unchanged) when ``found_inf != 0`` or ``stats[2] != 0``.
@@ -102,6 +102,14 @@ def _call(
     stochastic_rounding=False,
     seed=0,
 ) -> None:
+    if isinstance(lr, torch.Tensor):  # a Tensor lr may come as lr= too
+        lr, lr_tensor = 0.0, lr
+    if (  # the kernels read FP32 or FP64; other dtypes are the binding's error
+        lr_tensor is not None
+        and lr_tensor.is_floating_point()
+        and lr_tensor.dtype not in (torch.float32, torch.float64)
+    ):
+        lr_tensor = lr_tensor.to(torch.float64)
     op(
         params, grads, exp_avg, exp_avg_sq, max_exp_avg_sq, steps, slots,
         grad_scale, found_inf, stats, clip_coef,

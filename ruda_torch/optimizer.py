@@ -470,12 +470,8 @@ class AdamW(Optimizer):
         """One kernel call (``adamw_scaled_``) or its validation (``check_adamw_scaled``)."""
         b, g, dev = c.bucket, c.group, c.bucket.device
         lr = g["lr"]
-        lr_tensor = None
-        if isinstance(lr, torch.Tensor):  # read by the kernel (on the CPU: by the binding)
-            lr_tensor = lr if lr.device.type == "cpu" else per_device.get(lr, dev)
-            if lr_tensor.dtype not in (torch.float32, torch.float64):
-                lr_tensor = lr_tensor.to(torch.float64)
-            lr = 0.0
+        if isinstance(lr, torch.Tensor) and lr.device.type != "cpu":  # read by the kernel
+            lr = per_device.get(lr, dev)  # (a CPU Tensor lr is read by the binding)
         writes = op is ops.adamw_scaled_
         if writes and b.staged:
             b.stage_in(c.active)
@@ -502,7 +498,6 @@ class AdamW(Optimizer):
                 else 0.0,
                 clip_coef=per_device.get(clip_coef, dev),
                 master=b.master,
-                lr_tensor=lr_tensor,
                 stochastic_rounding=bool(g["stochastic_rounding"]) and b.dtype == torch.bfloat16,
                 seed=g["rounding_seed"],
             )

@@ -30,10 +30,10 @@ struct VecOps {
   }
   // Note [Canonical NaN]: lanes where x != x get the canonical NaN.
   static inline Vec canonical(const Vec& x) {
-    return Vec::blendv(x, Vec(ScalarOps::canonical_nan()), x != x);
+    return Vec::blendv(x, Vec(ScalarOps::canonical_nan<float>()), x != x);
   }
   static inline VecD canonical(const VecD& x) {
-    return VecD::blendv(x, VecD(ScalarOps::canonical_nan_f64()), x != x);
+    return VecD::blendv(x, VecD(ScalarOps::canonical_nan<double>()), x != x);
   }
 };
 
@@ -60,50 +60,17 @@ inline at::vec::Vectorized<M> load_grad(const G* g) {
   }
 }
 
-inline uint32_t bits_of(float x) {
-  uint32_t b;
-  std::memcpy(&b, &x, sizeof(b));
-  return b;
-}
-
-// The 16-bit value written for the FP32 result x of element `index` (Note [Parameter
-// dtypes]); `key` is rounding_key(seed, t) for stochastic rounding.
 template <typename P>
-inline uint16_t round_param(float x, Rounding rounding, uint32_t key, int64_t index) {
-  if constexpr (std::is_same_v<P, c10::Half>) {
-    return round_to_half(bits_of(x));
-  } else {
-    if (rounding == Rounding::kStochastic) {
-      return round_bf16_stochastic(bits_of(x), rounding_bits(key, index));
-    }
-    return round_to_bf16(bits_of(x));
-  }
-}
-
-inline float from_bits(uint32_t b) {
-  float x;
-  std::memcpy(&x, &b, sizeof(x));
-  return x;
-}
+constexpr bool kIsHalf = std::is_same_v<P, c10::Half>;
 
 // A 16-bit parameter widened exactly to FP32.
 template <typename P>
 inline float widen(uint16_t bits) {
-  if constexpr (std::is_same_v<P, c10::Half>) {
+  if constexpr (kIsHalf<P>) {
     return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
   } else {
-    return from_bits(static_cast<uint32_t>(bits) << 16);
+    return float_from_bits(static_cast<uint32_t>(bits) << 16);
   }
-}
-
-// The FP32 value updated for a 16-bit parameter with master weights (Note [Master
-// weights] in ruda_torch/_fused.py): the master while the parameter still holds it rounded
-// to nearest even, else the parameter's own value (it was written since).
-template <typename P>
-inline float master_or_param(float master, uint16_t param) {
-  const uint32_t b = bits_of(master);
-  const uint16_t rounded = std::is_same_v<P, c10::Half> ? round_to_half(b) : round_to_bf16(b);
-  return rounded == param ? master : widen<P>(param);
 }
 
 // BF16 round to nearest even on a vector of lanes, with integer vector operations: each
@@ -171,7 +138,8 @@ void update_range(const AdamWLaunch& L, const TensorEntry& e, const StepCoefs<Ma
         pv = master_or_param_bf16(Vec::loadu(master + k), cpu::load_fp32<P>(p + k));
       } else if (master != nullptr) {
         alignas(64) float in[W];
-        for (int64_t j = 0; j < W; ++j) in[j] = master_or_param<P>(master[k + j], p16[k + j]);
+        for (int64_t j = 0; j < W; ++j)
+          in[j] = master_or_param<kIsHalf<P>>(master[k + j], p16[k + j], widen<P>(p16[k + j]));
         pv = Vec::loadu(in);
       } else {
         pv = cpu::load_fp32<P>(p + k);
@@ -187,7 +155,7 @@ void update_range(const AdamWLaunch& L, const TensorEntry& e, const StepCoefs<Ma
       pv.store(out);
       if (master != nullptr) pv.store(master + k);
       for (int64_t j = 0; j < W; ++j) {
-        p16[k + j] = round_param<P>(out[j], L.rounding, key, e.state_offset + k + j);
+        p16[k + j] = round_param<kIsHalf<P>>(out[j], L.rounding, key, e.state_offset + k + j);
       }
     } else {
       pv.store(p + k);
@@ -211,14 +179,15 @@ void update_range(const AdamWLaunch& L, const TensorEntry& e, const StepCoefs<Ma
     M vmk = AMSGRAD ? vm[k] : M(0);
     M pk;
     if constexpr (kIs16Bit<P>) {
-      pk = master != nullptr ? master_or_param<P>(master[k], p16[k]) : static_cast<float>(p[k]);
+      pk = master != nullptr ? master_or_param<kIsHalf<P>>(master[k], p16[k], widen<P>(p16[k]))
+                             : static_cast<float>(p[k]);
     } else {
       pk = p[k];
     }
     adamw_element<AMSGRAD, ScalarOps>(pk, static_cast<M>(g[k]), m[k], v[k], vmk, c);
     if constexpr (kIs16Bit<P>) {
       if (master != nullptr) master[k] = pk;
-      p16[k] = round_param<P>(pk, L.rounding, key, e.state_offset + k);
+      p16[k] = round_param<kIsHalf<P>>(pk, L.rounding, key, e.state_offset + k);
     } else {
       p[k] = pk;
     }

@@ -44,19 +44,8 @@ __device__ inline float to_math(T x) {
   return to_float(x);
 }
 
-// The 16-bit value written for the FP32 result x of element `index` (Note [Parameter dtypes]).
 template <typename P>
-__device__ inline uint16_t round_param(float x, Rounding rounding, uint32_t key, int64_t index) {
-  const uint32_t bits = __float_as_uint(x);
-  if constexpr (std::is_same_v<P, __half>) {
-    return round_to_half(bits);
-  } else {
-    if (rounding == Rounding::kStochastic) {
-      return round_bf16_stochastic(bits, rounding_bits(key, index));
-    }
-    return round_to_bf16(bits);
-  }
-}
+constexpr bool kIsHalf = std::is_same_v<P, __half>;
 
 // A 16-bit parameter widened exactly to FP32.
 template <typename P>
@@ -66,16 +55,6 @@ __device__ inline float widen(uint16_t bits) {
   } else {
     return __uint_as_float(static_cast<uint32_t>(bits) << 16);
   }
-}
-
-// The FP32 value updated for a 16-bit parameter with master weights (Note [Master
-// weights] in ruda_torch/_fused.py): the master while the parameter still holds it rounded
-// to nearest even, else the parameter's own value (it was written since).
-template <typename P>
-__device__ inline float master_or_param(float master, uint16_t param) {
-  const uint32_t b = __float_as_uint(master);
-  const uint16_t rounded = std::is_same_v<P, __half> ? round_to_half(b) : round_to_bf16(b);
-  return rounded == param ? master : widen<P>(param);
 }
 
 // The pointers of one tensor's slice.
@@ -93,9 +72,9 @@ __device__ inline void update_one(const Slice<P, G>& s, int64_t k, const StepCoe
   using M = MathOf<P>;
   M pk;
   if constexpr (kIs16Bit<P>) {
-    pk = s.master != nullptr
-             ? master_or_param<P>(s.master[k], reinterpret_cast<const uint16_t*>(s.p)[k])
-             : to_float(s.p[k]);
+    const uint16_t bits = reinterpret_cast<const uint16_t*>(s.p)[k];
+    pk = s.master != nullptr ? master_or_param<kIsHalf<P>>(s.master[k], bits, widen<P>(bits))
+                             : to_float(s.p[k]);
   } else {
     pk = s.p[k];
   }
@@ -103,7 +82,7 @@ __device__ inline void update_one(const Slice<P, G>& s, int64_t k, const StepCoe
   adamw_element<AMSGRAD, ScalarOps>(pk, to_math(s.g[k]), mk, vk, vmk, c);
   if constexpr (kIs16Bit<P>) {
     if (s.master != nullptr) s.master[k] = pk;
-    reinterpret_cast<uint16_t*>(s.p)[k] = round_param<P>(pk, L.rounding, key, index);
+    reinterpret_cast<uint16_t*>(s.p)[k] = round_param<kIsHalf<P>>(pk, L.rounding, key, index);
   } else {
     s.p[k] = pk;
   }
@@ -125,7 +104,8 @@ __device__ inline void update_vec(const Slice<P, G>& s, int64_t k, const StepCoe
       load_vec<kVec>(s.master + k, mv16);
       load_bits16(reinterpret_cast<const uint16_t*>(s.p + k), bits);
 #pragma unroll
-      for (int j = 0; j < kVec; ++j) pv[j] = master_or_param<P>(mv16[j], bits[j]);
+      for (int j = 0; j < kVec; ++j)
+        pv[j] = master_or_param<kIsHalf<P>>(mv16[j], bits[j], widen<P>(bits[j]));
     } else {
       load_vec<kVec>(s.p + k, pv);
     }
@@ -144,7 +124,8 @@ __device__ inline void update_vec(const Slice<P, G>& s, int64_t k, const StepCoe
     if (s.master != nullptr) store_vec<kVec>(s.master + k, pv);
     uint16_t out[kVec];
 #pragma unroll
-    for (int j = 0; j < kVec; ++j) out[j] = round_param<P>(pv[j], L.rounding, key, index + j);
+    for (int j = 0; j < kVec; ++j)
+      out[j] = round_param<kIsHalf<P>>(pv[j], L.rounding, key, index + j);
     store_bits16(reinterpret_cast<uint16_t*>(s.p + k), out);
   } else {
     store_vec<kVec>(s.p + k, pv);
