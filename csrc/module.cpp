@@ -9,7 +9,6 @@
 // fraction of a millisecond where the same loop in Python would cost several.
 #include <torch/csrc/autograd/python_variable.h>
 
-#include <algorithm>
 #include <vector>
 
 #include "grad_stats.h"
@@ -74,22 +73,36 @@ int64_t sharers(PyObject* t) {
 bool append_layout(PyObject* obj, std::vector<int64_t>& out) {
   if (!THPVariable_Check(obj)) return false;
   const at::Tensor& t = THPVariable_Unpack(obj);
-  const auto sizes = t.sym_sizes();
-  const auto strides = t.sym_strides();
+  if (t.unsafeGetTensorImpl()->has_symbolic_sizes_strides()) return false;
   out.push_back(static_cast<int64_t>(t.scalar_type()));
   out.push_back(static_cast<int64_t>(t.device().type()));
   out.push_back(static_cast<int64_t>(t.device().index()));
-  out.push_back(static_cast<int64_t>(sizes.size()));
-  for (const auto& v : sizes) {
-    const auto x = v.maybe_as_int();
-    if (!x.has_value()) return false;
-    out.push_back(*x);
+  out.push_back(t.dim());
+  out.insert(out.end(), t.sizes().begin(), t.sizes().end());
+  out.insert(out.end(), t.strides().begin(), t.strides().end());
+  return true;
+}
+
+// Whether `obj` still has the layout append_layout() recorded at *want; advances *want
+// past it. Compared in place: unchanged() runs it for every fused parameter at every step.
+bool same_layout(PyObject* obj, const int64_t** want, const int64_t* end) {
+  if (!THPVariable_Check(obj)) return false;
+  const at::Tensor& t = THPVariable_Unpack(obj);
+  if (t.unsafeGetTensorImpl()->has_symbolic_sizes_strides()) return false;
+  const int64_t dim = t.dim();
+  const int64_t* w = *want;
+  if (end - w < 4 + 2 * dim || w[0] != static_cast<int64_t>(t.scalar_type()) ||
+      w[1] != static_cast<int64_t>(t.device().type()) ||
+      w[2] != static_cast<int64_t>(t.device().index()) || w[3] != dim) {
+    return false;
   }
-  for (const auto& v : strides) {
-    const auto x = v.maybe_as_int();
-    if (!x.has_value()) return false;
-    out.push_back(*x);
+  w += 4;
+  const auto sizes = t.sizes();
+  const auto strides = t.strides();
+  for (int64_t d = 0; d < dim; ++d) {
+    if (w[d] != sizes[d] || w[dim + d] != strides[d]) return false;
   }
+  *want = w + 2 * dim;
   return true;
 }
 
@@ -161,15 +174,8 @@ PyObject* unchanged(PyObject*, PyObject* args) {
   if (at != PyList_GET_SIZE(expected)) Py_RETURN_FALSE;
   const int64_t* const want_end = want + n_shapes;
   const Py_ssize_t m = PyList_GET_SIZE(tensors);
-  std::vector<int64_t> have;
   for (Py_ssize_t j = 0; j < m; ++j) {
-    PyObject* t = PyList_GET_ITEM(tensors, j);
-    have.clear();
-    if (!append_layout(t, have) || want + static_cast<int64_t>(have.size()) > want_end ||
-        !std::equal(have.begin(), have.end(), want)) {
-      Py_RETURN_FALSE;
-    }
-    want += have.size();
+    if (!same_layout(PyList_GET_ITEM(tensors, j), &want, want_end)) Py_RETURN_FALSE;
   }
   if (want != want_end) Py_RETURN_FALSE;
   for (int64_t k = 0; k < n_counts; ++k) {
@@ -183,6 +189,7 @@ PyObject* unchanged(PyObject*, PyObject* args) {
 // what adamw_scaled_ takes without a copy (a non-dense parameter is stepped through a
 // contiguous staging copy, see Bucket in ruda_torch/_fused.py).
 bool kernel_layout(const at::Tensor& p, const at::Tensor& g) {
+  if (p.is_contiguous() && g.is_contiguous()) return true;  // (a shape mismatch is the binding's)
   if (!p.is_non_overlapping_and_dense()) return g.is_contiguous();
   if (p.sizes() != g.sizes() || !g.is_non_overlapping_and_dense()) return false;
   for (int64_t d = 0; d < p.dim(); ++d) {
