@@ -6,6 +6,9 @@ gradients, moments and step counts drawn once from ``--seed``; Note [Starting st
 
   ours_fused      ruda_torch.AdamW(fused_step=True): ruda_torch.ops.adamw_scaled_, one
                   native kernel per bucket
+  ours_flat       ruda_torch.AdamW(fused_step=True, flat_grads=True): the same kernel with
+                  every p.grad a view of the bucket's flat gradient buffer (FP32 gradients
+                  only: a flat buffer has the parameters' dtype)
   staged          the benchmark-only staged baseline on flat buffers: 4 stages (unscale,
                   moments m and v, [AMSGrad max], update), each built from tensor ops
   torch_foreach   torch.optim.AdamW(foreach=True)
@@ -68,7 +71,7 @@ the same as with active clipping.
 Note [Checks]
 After every measured batch, with S the number of steps each variant has taken:
 - exactly equal (torch.equal, every element of parameters and moments):
-  ours_pipeline vs ours_fused, torch_pipeline vs torch_fused;
+  ours_pipeline vs ours_fused, ours_flat vs ours_fused, torch_pipeline vs torch_fused;
 - each FP32 implementation vs the FP64 reference (ruda_torch.reference) advanced S steps
   on a probe of elements (the first and last element of every tensor and random
   others), with the tolerance rows "chain.*" of tests/tolerances.py: its error at most 3
@@ -131,6 +134,7 @@ PROBE_RANDOM = 32_768
 GRAD_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 ALL_VARIANTS = (
     "ours_fused",
+    "ours_flat",
     "staged",
     "torch_foreach",
     "torch_fused",
@@ -138,7 +142,11 @@ ALL_VARIANTS = (
     "ours_pipeline",
 )
 TORCH_VARIANTS = ("torch_foreach", "torch_fused", "torch_pipeline")
-EXACT_PAIRS = (("ours_pipeline", "ours_fused"), ("torch_pipeline", "torch_fused"))
+EXACT_PAIRS = (
+    ("ours_pipeline", "ours_fused"),
+    ("ours_flat", "ours_fused"),
+    ("torch_pipeline", "torch_fused"),
+)
 QUANTITIES = ("param", "exp_avg", "exp_avg_sq", "max_exp_avg_sq")
 ELEMENTWISE = {"param": False, "exp_avg": False, "exp_avg_sq": True, "max_exp_avg_sq": True}
 # CPU goals of this project (informational: a miss is reported, it does not fail the run).
@@ -146,6 +154,7 @@ GOALS = {
     "fused_vs_torch_fused": 0.95,
     "pipeline_speedup": 1.5,
     "many_small_speedup": 5.0,
+    "many_small_flat_speedup": 15.0,
     "fused_fraction_of_stream": 0.85,
 }
 
@@ -160,7 +169,7 @@ class Divergence(Exception):
 def model_bytes(variant: str, grad_bytes: int, amsgrad: bool, scaler: bool) -> int:
     """Bytes per element of one step of ``variant`` (Note [Traffic model])."""
     step = 24 + grad_bytes + (8 if amsgrad else 0)
-    if variant in ("ours_fused", "torch_fused", "torch_foreach"):
+    if variant in ("ours_fused", "ours_flat", "torch_fused", "torch_foreach"):
         return step
     if variant == "staged":
         return 48 - (4 - grad_bytes) + (12 if amsgrad else 0)
@@ -372,13 +381,17 @@ def _grad_scaler(device: torch.device):
 
 
 class OursVariant(Variant):
-    """ruda_torch.AdamW(fused_step=True), bare or as the full pipeline."""
+    """ruda_torch.AdamW(fused_step=True), bare, with flat gradients or as the full
+    pipeline."""
 
     def __init__(self, name: str, start: StartState, amsgrad: bool, scaler: bool):
         self.name = name
         layout = self.layout = start.layout
         self.p = start.param.clone()
         pipeline = name == "ours_pipeline"
+        flat = name == "ours_flat"
+        if flat and start.grad.dtype != start.param.dtype:
+            raise _Unsupported("flat gradients have the parameters' dtype (FP32)")
         # Ours never writes the gradients, but GradScaler.step's inf check rewrites them
         # (by 1.0): with a scaler the pipeline gets its own copy.
         self.g = start.grad.clone() if (pipeline and scaler) else start.grad
@@ -391,6 +404,8 @@ class OursVariant(Variant):
         extra = {}
         if pipeline:
             extra = dict(hierarchical_stats=True, max_grad_norm=2.0 * start.grad_norm)
+        if flat:  # construction copies the attached gradients into the flat buffer
+            extra = dict(flat_grads=True)
         self.opt = ruda_torch.AdamW(self.params, amsgrad=amsgrad, fused_step=True, **HYPER, **extra)
         for p, off, n in zip(self.params, layout.offsets, layout.sizes, strict=True):
             st = {
@@ -796,6 +811,8 @@ def run_case(case: Case, args, device: torch.device, grad_dtype: torch.dtype) ->
         try:
             if name == "staged":
                 variants.append(StagedBaseline(start, args.amsgrad))
+            elif name == "ours_flat":
+                variants.append(OursVariant(name, start, args.amsgrad, args.scaler))
             elif name in ("ours_fused", "ours_pipeline"):
                 try:
                     variants.append(OursVariant(name, start, args.amsgrad, args.scaler))
@@ -911,6 +928,7 @@ def run_case(case: Case, args, device: torch.device, grad_dtype: torch.dtype) ->
             best[key] = results[num]["min_ms"] / results[den]["min_ms"]
 
     ratio("fused_vs_torch_fused", "torch_fused", "ours_fused")
+    ratio("flat_vs_torch_fused", "torch_fused", "ours_flat")
     ratio("pipeline_speedup", "torch_pipeline", "ours_pipeline")
     ratio("fused_vs_staged", "staged", "ours_fused")
     ratio("fused_vs_torch_foreach", "torch_foreach", "ours_fused")
@@ -1043,6 +1061,9 @@ def print_summary(cases: list[dict], device: torch.device) -> dict:
     if many and "fused_vs_torch_fused" in many[0]["ratios"]:
         summary["many_small_speedup"] = many[0]["ratios"]["fused_vs_torch_fused"]
         fastest["many_small_speedup"] = many[0]["ratios_of_min"].get("fused_vs_torch_fused")
+    if many and "flat_vs_torch_fused" in many[0]["ratios"]:
+        summary["many_small_flat_speedup"] = many[0]["ratios"]["flat_vs_torch_fused"]
+        fastest["many_small_flat_speedup"] = many[0]["ratios_of_min"].get("flat_vs_torch_fused")
 
     def plain(c) -> bool:
         return c["grad_dtype"] == "float32" and not c["amsgrad"] and not c["scaler"]
@@ -1059,6 +1080,7 @@ def print_summary(cases: list[dict], device: torch.device) -> dict:
                                          "fused_fraction_of_stream"), True))  # fmt: skip
         if many and plain(many[0]):
             judged["many_small_speedup"] = True
+            judged["many_small_flat_speedup"] = True
     print("\n== summary (ratios > 1: ours faster; medians, and the fastest batches)")
     for key, value in summary.items():
         if key == "at_elements":

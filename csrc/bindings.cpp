@@ -8,6 +8,7 @@
 #include <utility>
 
 #include "grad_stats.h"
+#include "kernels.h"
 
 namespace ruda {
 namespace {
@@ -183,34 +184,27 @@ DType dtype_of(at::ScalarType t) {
   }
 }
 
-}  // namespace
-
-DType grad_dtype_of(const at::Tensor& t) { return dtype_of(t.scalar_type()); }
-
-PreparedAdamW prepare_adamw(
-    at::TensorList params, at::TensorList grads, const at::Tensor& exp_avg,
-    const at::Tensor& exp_avg_sq, const std::optional<at::Tensor>& max_exp_avg_sq,
-    const at::Tensor& steps, const at::Tensor& slots, const std::optional<at::Tensor>& grad_scale,
-    const std::optional<at::Tensor>& found_inf, const std::optional<at::Tensor>& stats,
-    const std::optional<at::Tensor>& clip_coef, double lr, double beta1, double beta2, double eps,
-    double weight_decay, double max_grad_norm, bool maximize,
-    const std::optional<at::Tensor>& master, const std::optional<at::Tensor>& lr_tensor,
-    int64_t rounding, int64_t seed, int64_t unit) {
-  const char* op = "adamw_scaled_";
+// Everything of an update launch but its tensor table: the hyperparameters, the flat
+// state buffers and the device-resident controls, for `n` parameters of `pdtype` with
+// `gdtype` gradients on `device`. Shared by prepare_adamw and the flat-gradient path
+// (prepare_flat_step), which keeps its table between steps.
+AdamWLaunch prepare_launch(
+    const char* op, size_t n, const at::Device& device, at::ScalarType pdtype,
+    at::ScalarType gdtype, const at::Tensor& exp_avg, const at::Tensor& exp_avg_sq,
+    const std::optional<at::Tensor>& max_exp_avg_sq, const at::Tensor& steps,
+    const std::optional<at::Tensor>& grad_scale, const std::optional<at::Tensor>& found_inf,
+    const std::optional<at::Tensor>& stats, const std::optional<at::Tensor>& clip_coef, double lr,
+    double beta1, double beta2, double eps, double weight_decay, double max_grad_norm,
+    bool maximize, const std::optional<at::Tensor>& master,
+    const std::optional<at::Tensor>& lr_tensor, int64_t rounding, int64_t seed) {
   check_hyper(lr, lr >= 0.0, "learning rate (lr >= 0)");
   check_hyper(beta1, beta1 >= 0.0 && beta1 < 1.0, "beta1 (0 <= beta1 < 1)");
   check_hyper(beta2, beta2 >= 0.0 && beta2 < 1.0, "beta2 (0 <= beta2 < 1)");
   check_hyper(eps, eps >= 0.0, "eps (eps >= 0)");
   check_hyper(weight_decay, weight_decay >= 0.0, "weight_decay (weight_decay >= 0)");
   check_hyper(max_grad_norm, max_grad_norm >= 0.0, "max_grad_norm (0 = off, > 0 = clip)");
-
-  const size_t n = params.size();
-  TORCH_CHECK(grads.size() == n, "ruda_torch.", op, ": grads has ", grads.size(),
-              " tensors but params has ", n);
   TORCH_CHECK(exp_avg.defined() && steps.defined(), "ruda_torch.", op,
               ": exp_avg and steps are required");
-  const at::Device device = n > 0 ? params[0].device() : exp_avg.device();
-  const at::ScalarType pdtype = n > 0 && params[0].defined() ? params[0].scalar_type() : at::kFloat;
   TORCH_CHECK(pdtype == at::kFloat || pdtype == at::kDouble || is_16bit(pdtype), "ruda_torch.", op,
               ": params[0] must be float32, float64, float16 or bfloat16 (got ", pdtype, ")");
   // Note [Parameter dtypes]: FP64 state for FP64 parameters, FP32 for all others.
@@ -265,23 +259,187 @@ PreparedAdamW prepare_adamw(
       }
     }
   }
-  TORCH_CHECK(
-      slots.device().is_cpu() && slots.scalar_type() == at::kLong && slots.dim() == 2 &&
-          slots.size(0) == static_cast<int64_t>(n) && slots.size(1) == 2 && slots.is_contiguous(),
-      "ruda_torch.", op, ": slots must be a contiguous CPU int64 tensor of shape [", n,
-      ", 2] (got ", slots.scalar_type(), " ", shape_str(slots), " on ", slots.device(), ")");
   check_scalar_fp32(op, grad_scale, "grad_scale", 1, device);
   check_scalar_fp32(op, found_inf, "found_inf", 1, device);
   check_scalar_fp32(op, stats, "stats", kStatsWidth, device);
   check_scalar_fp32(op, clip_coef, "clip_coef", 1, device);
 
-  const at::ScalarType gdtype = n > 0 ? grads[0].scalar_type() : at::kFloat;
+  AdamWLaunch L;
+  L.table = nullptr;  // placed by the backend
+  L.n_tensors = static_cast<int64_t>(n);
+  L.n_units = 0;  // set with the table
+  L.param_dtype = dtype_of(pdtype);
+  L.grad_dtype = dtype_of(gdtype);
+  L.amsgrad = max_exp_avg_sq.has_value();
+  L.exp_avg = exp_avg.data_ptr();
+  L.exp_avg_sq = exp_avg_sq.data_ptr();
+  L.max_exp_avg_sq = max_exp_avg_sq.has_value() ? max_exp_avg_sq->data_ptr() : nullptr;
+  L.master = master.has_value() ? master->data_ptr<float>() : nullptr;
+  L.steps = steps.data_ptr<float>();
+  L.rounding = rounding == 1 ? Rounding::kStochastic : Rounding::kNearestEven;
+  L.seed = static_cast<uint64_t>(seed);
+  L.hyper = {lr, beta1, beta2, eps, weight_decay, lr_f32, lr_f64};
+  L.control = {ptr_or_null(grad_scale), ptr_or_null(found_inf), ptr_or_null(stats),
+               ptr_or_null(clip_coef),  max_grad_norm,          maximize};
+  return L;
+}
+
+}  // namespace
+
+DType grad_dtype_of(const at::Tensor& t) { return dtype_of(t.scalar_type()); }
+
+std::unique_ptr<FlatBucket> make_flat_bucket(
+    std::vector<at::Tensor> owners, std::vector<at::Tensor> params, std::vector<at::Tensor> views,
+    const at::Tensor& grad, const at::Tensor& exp_avg, const at::Tensor& exp_avg_sq,
+    const std::optional<at::Tensor>& max_exp_avg_sq, const at::Tensor& steps,
+    const at::Tensor& slots, const std::optional<at::Tensor>& master) {
+  const char* op = "flat_bucket";
+  TORCH_CHECK(owners.size() == params.size() && views.size() == params.size(), "ruda_torch.", op,
+              ": owners, params and views must have one entry per parameter");
+  const at::Device device = params.empty() ? exp_avg.device() : params[0].device();
+  TORCH_CHECK(grad.defined() && grad.dim() == 1 && grad.is_contiguous(), "ruda_torch.", op,
+              ": grad must be a contiguous 1-D tensor");
+  check_same_device(op, grad, "grad", device);
+  const int64_t unit = device.is_cpu() ? kCpuTile : kCudaTile;
+  PreparedAdamW prep =
+      prepare_adamw(params, views, exp_avg, exp_avg_sq, max_exp_avg_sq, steps, slots, std::nullopt,
+                    std::nullopt, std::nullopt, std::nullopt, 0.0, 0.9, 0.999, 0.0, 0.0, 0.0, false,
+                    master, std::nullopt, 0, 0, unit);
+  const auto g0 = reinterpret_cast<uintptr_t>(grad.data_ptr());
+  const auto g1 = g0 + static_cast<uintptr_t>(grad.numel()) * grad.element_size();
+  for (size_t i = 0; i < views.size(); ++i) {
+    const auto b = reinterpret_cast<uintptr_t>(views[i].data_ptr());
+    TORCH_CHECK(
+        views[i].numel() == 0 || (b >= g0 && b + views[i].numel() * views[i].element_size() <= g1),
+        "ruda_torch.", op, ": views[", i, "] is not inside grad");
+  }
+  auto fb = std::make_unique<FlatBucket>();
+  fb->owners = std::move(owners);
+  fb->params = std::move(params);
+  fb->views = std::move(views);
+  fb->grad = grad;
+  fb->exp_avg = exp_avg;
+  fb->exp_avg_sq = exp_avg_sq;
+  fb->steps = steps;
+  fb->max_exp_avg_sq = max_exp_avg_sq;
+  fb->master = master;
+  fb->device = device;
+  fb->pdtype = fb->params.empty() ? at::kFloat : fb->params[0].scalar_type();
+  fb->unit = unit;
+  fb->table = std::move(prep.table);
+  fb->active = fb->table;
+  fb->grad_sharers = fb->grad.storage().use_count();
+  return fb;
+}
+
+bool flat_param_current(const FlatBucket& fb, size_t i) {
+  const TensorEntry& e = fb.table[i];
+  return e.numel == 0 || fb.params[i].unsafeGetTensorImpl()->data() == e.param;
+}
+
+bool flat_views_suspect(const FlatBucket& fb) {
+  return fb.grad.storage().use_count() != fb.grad_sharers;
+}
+
+bool flat_view_moved(const FlatBucket& fb, size_t i) {
+  const TensorEntry& e = fb.table[i];
+  return e.numel > 0 && fb.views[i].const_data_ptr() != e.grad;
+}
+
+bool flat_bucket_current(const FlatBucket& fb) {
+  for (size_t i = 0; i < fb.table.size(); ++i) {
+    const TensorEntry& e = fb.table[i];
+    if (e.numel == 0) continue;  // no memory to move
+    if (fb.params[i].data_ptr() != e.param || flat_view_moved(fb, i)) return false;
+  }
+  return true;
+}
+
+void flat_bucket_select(FlatBucket& fb, const std::vector<int64_t>* active) {
+  if (active == nullptr) {
+    if (fb.all_active) return;
+    fb.active = fb.table;
+    fb.active_ids.clear();
+    fb.all_active = true;
+    fb.device_table_current = false;
+    return;
+  }
+  if (!fb.all_active && *active == fb.active_ids) return;
+  const int64_t n = static_cast<int64_t>(fb.table.size());
+  fb.active.clear();
+  fb.active.reserve(active->size());
+  int64_t units = 0, last = -1;
+  for (int64_t i : *active) {
+    TORCH_CHECK(i > last && i < n,
+                "ruda_torch.flat_bucket: active indices must be ascending "
+                "and below ",
+                n);  // fmt: skip
+    last = i;
+    TensorEntry e = fb.table[i];
+    e.unit_start = units;
+    units += (e.numel + fb.unit - 1) / fb.unit;
+    fb.active.push_back(e);
+  }
+  fb.active_ids = *active;
+  fb.all_active = false;
+  fb.device_table_current = false;
+}
+
+AdamWLaunch prepare_flat_step(const FlatBucket& fb, bool amsgrad,
+                              const std::optional<at::Tensor>& grad_scale,
+                              const std::optional<at::Tensor>& found_inf,
+                              const std::optional<at::Tensor>& stats,
+                              const std::optional<at::Tensor>& clip_coef, double lr, double beta1,
+                              double beta2, double eps, double weight_decay, double max_grad_norm,
+                              bool maximize, const std::optional<at::Tensor>& lr_tensor,
+                              int64_t rounding, int64_t seed) {
+  AdamWLaunch L =
+      prepare_launch("adamw_scaled_", fb.active.size(), fb.device, fb.pdtype, fb.grad.scalar_type(),
+                     fb.exp_avg, fb.exp_avg_sq, amsgrad ? fb.max_exp_avg_sq : std::nullopt,
+                     fb.steps, grad_scale, found_inf, stats, clip_coef, lr, beta1, beta2, eps,
+                     weight_decay, max_grad_norm, maximize, fb.master, lr_tensor, rounding, seed);
+  int64_t units = 0;
+  if (!fb.active.empty()) {
+    const TensorEntry& e = fb.active.back();
+    units = e.unit_start + (e.numel + fb.unit - 1) / fb.unit;
+  }
+  L.n_units = units;
+  return L;
+}
+
+PreparedAdamW prepare_adamw(
+    at::TensorList params, at::TensorList grads, const at::Tensor& exp_avg,
+    const at::Tensor& exp_avg_sq, const std::optional<at::Tensor>& max_exp_avg_sq,
+    const at::Tensor& steps, const at::Tensor& slots, const std::optional<at::Tensor>& grad_scale,
+    const std::optional<at::Tensor>& found_inf, const std::optional<at::Tensor>& stats,
+    const std::optional<at::Tensor>& clip_coef, double lr, double beta1, double beta2, double eps,
+    double weight_decay, double max_grad_norm, bool maximize,
+    const std::optional<at::Tensor>& master, const std::optional<at::Tensor>& lr_tensor,
+    int64_t rounding, int64_t seed, int64_t unit) {
+  const char* op = "adamw_scaled_";
+  const size_t n = params.size();
+  TORCH_CHECK(grads.size() == n, "ruda_torch.", op, ": grads has ", grads.size(),
+              " tensors but params has ", n);
+  TORCH_CHECK(exp_avg.defined() && steps.defined(), "ruda_torch.", op,
+              ": exp_avg and steps are required");
+  const at::Device device = n > 0 ? params[0].device() : exp_avg.device();
+  const at::ScalarType pdtype = n > 0 && params[0].defined() ? params[0].scalar_type() : at::kFloat;
+  const at::ScalarType gdtype = n > 0 && grads[0].defined() ? grads[0].scalar_type() : at::kFloat;
+  PreparedAdamW prep;
+  prep.launch =
+      prepare_launch(op, n, device, pdtype, gdtype, exp_avg, exp_avg_sq, max_exp_avg_sq, steps,
+                     grad_scale, found_inf, stats, clip_coef, lr, beta1, beta2, eps, weight_decay,
+                     max_grad_norm, maximize, master, lr_tensor, rounding, seed);
+  TORCH_CHECK(
+      slots.device().is_cpu() && slots.scalar_type() == at::kLong && slots.dim() == 2 &&
+          slots.size(0) == static_cast<int64_t>(n) && slots.size(1) == 2 && slots.is_contiguous(),
+      "ruda_torch.", op, ": slots must be a contiguous CPU int64 tensor of shape [", n,
+      ", 2] (got ", slots.scalar_type(), " ", shape_str(slots), " on ", slots.device(), ")");
   if (n > 0 && grads[0].defined()) check_update_grad_dtype(op, grads[0], pdtype);
   const int64_t* slot = slots.data_ptr<int64_t>();
   const int64_t state_numel = exp_avg.numel();
   const int64_t n_steps = steps.numel();
 
-  PreparedAdamW prep;
   prep.table.resize(n);
   std::vector<Span> written, read_only;
   written.reserve(n + 4);
@@ -343,24 +501,7 @@ PreparedAdamW prepare_adamw(
   if (master.has_value()) written.push_back(span_of(*master, "master"));
   written.push_back(span_of(steps, "steps"));
   check_no_aliasing(op, std::move(written), read_only);
-
-  AdamWLaunch& L = prep.launch;
-  L.table = nullptr;  // placed by the backend
-  L.n_tensors = static_cast<int64_t>(n);
-  L.n_units = units;
-  L.param_dtype = dtype_of(pdtype);
-  L.grad_dtype = n > 0 ? grad_dtype_of(grads[0]) : DType::kFloat;
-  L.amsgrad = max_exp_avg_sq.has_value();
-  L.exp_avg = exp_avg.data_ptr();
-  L.exp_avg_sq = exp_avg_sq.data_ptr();
-  L.max_exp_avg_sq = max_exp_avg_sq.has_value() ? max_exp_avg_sq->data_ptr() : nullptr;
-  L.master = master.has_value() ? master->data_ptr<float>() : nullptr;
-  L.steps = steps.data_ptr<float>();
-  L.rounding = rounding == 1 ? Rounding::kStochastic : Rounding::kNearestEven;
-  L.seed = static_cast<uint64_t>(seed);
-  L.hyper = {lr, beta1, beta2, eps, weight_decay, lr_f32, lr_f64};
-  L.control = {ptr_or_null(grad_scale), ptr_or_null(found_inf), ptr_or_null(stats),
-               ptr_or_null(clip_coef),  max_grad_norm,          maximize};
+  prep.launch.n_units = units;
   return prep;
 }
 

@@ -6,6 +6,7 @@
 
 #include <ATen/ATen.h>
 
+#include <memory>
 #include <optional>
 #include <vector>
 
@@ -58,5 +59,76 @@ int64_t check_merge(const at::Tensor& rows, const at::Tensor& out);
 int64_t check_merge_chunks(const at::Tensor& reports, const at::Tensor& out);
 
 DType grad_dtype_of(const at::Tensor& t);
+
+// Note [Flat gradient buckets] (ruda_torch/_fused.py has the Python side)
+// A bucket whose gradients are views of one flat buffer laid out like its state: the
+// views never move, so the table prepare_adamw validated once stays valid as long as no
+// parameter's memory moves (`p.data = ...` keeps the tensor and moves the memory; the
+// shapes, strides, dtypes and devices are the plan's to check). A step then checks one
+// address per parameter, validates its scalars and controls, and launches: no tensor
+// lists cross from Python, and on CUDA the table stays in device memory, uploaded only
+// when the set of parameters with a gradient changes.
+struct FlatBucket {
+  std::vector<at::Tensor> params;  // what the kernel steps (staging copies for non-dense)
+  std::vector<at::Tensor> owners;  // the parameters whose `grad` are the views
+  std::vector<at::Tensor> views;   // the gradient views, in the flat buffer
+  at::Tensor grad;                 // the flat gradient buffer
+  at::Tensor exp_avg, exp_avg_sq, steps;
+  std::optional<at::Tensor> max_exp_avg_sq, master;
+  at::Device device = at::kCPU;
+  at::ScalarType pdtype = at::kFloat;
+  int64_t unit = 1;
+  std::vector<TensorEntry> table;   // every parameter
+  std::vector<TensorEntry> active;  // the table of the last step's subset (`active_ids`)
+  std::vector<int64_t> active_ids;  // empty: every parameter
+  bool all_active = true;
+  at::Tensor device_table;  // CUDA: the launch's table in device memory
+  bool device_table_current = false;
+  // How many tensors shared the flat buffer's memory when the views' addresses were last
+  // checked: a view moved off it (`p.grad.data = ...`, `set_`) lowers the count, so that
+  // an equal count spares a step the address of every view (the proxy of Note [Fused
+  // state coherence] for state views).
+  size_t grad_sharers = 0;
+};
+
+// Validates everything prepare_adamw does for the bucket (with `views` as the gradients)
+// and keeps its table; `unit` is the backend's tile.
+std::unique_ptr<FlatBucket> make_flat_bucket(
+    std::vector<at::Tensor> owners, std::vector<at::Tensor> params, std::vector<at::Tensor> views,
+    const at::Tensor& grad, const at::Tensor& exp_avg, const at::Tensor& exp_avg_sq,
+    const std::optional<at::Tensor>& max_exp_avg_sq, const at::Tensor& steps,
+    const at::Tensor& slots, const std::optional<at::Tensor>& master);
+
+// Whether every parameter's and view's memory is still where the table says.
+bool flat_bucket_current(const FlatBucket& fb);
+
+// Whether parameter i's memory is where the table says.
+bool flat_param_current(const FlatBucket& fb, size_t i);
+
+// Whether the views may have moved off the flat buffer (its sharing count changed since
+// the last check that found them all in place), and whether view i did.
+bool flat_views_suspect(const FlatBucket& fb);
+bool flat_view_moved(const FlatBucket& fb, size_t i);
+
+// Makes `active` (parameter indices, ascending; null = all) the launch's table subset.
+void flat_bucket_select(FlatBucket& fb, const std::vector<int64_t>* active);
+
+// The launch of one step over the selected subset, every scalar and control validated
+// as adamw_scaled_ validates them; launch.table is left for the backend to place.
+// `amsgrad` false steps without the bucket's AMSGrad buffer (the group turned it off).
+AdamWLaunch prepare_flat_step(const FlatBucket& fb, bool amsgrad,
+                              const std::optional<at::Tensor>& grad_scale,
+                              const std::optional<at::Tensor>& found_inf,
+                              const std::optional<at::Tensor>& stats,
+                              const std::optional<at::Tensor>& clip_coef, double lr, double beta1,
+                              double beta2, double eps, double weight_decay, double max_grad_norm,
+                              bool maximize, const std::optional<at::Tensor>& lr_tensor,
+                              int64_t rounding, int64_t seed);
+
+#ifdef RUDA_TORCH_WITH_CUDA
+// Places the selected table in device memory when it changed (csrc/cuda/ops_cuda.cpp)
+// and enqueues the update on the current stream.
+void launch_flat_cuda(FlatBucket& fb, AdamWLaunch launch);
+#endif
 
 }  // namespace ruda

@@ -7,11 +7,16 @@
 // `unchanged` compares object identities, shapes and sharing counts, never values: it is a
 // loop over pointers, so that checking 20,000 parameters and their state entries costs a
 // fraction of a millisecond where the same loop in Python would cost several.
+#include <torch/csrc/Exceptions.h>
 #include <torch/csrc/autograd/python_variable.h>
 
+#include <memory>
+#include <optional>
 #include <vector>
 
+#include "bindings.h"
 #include "grad_stats.h"
+#include "kernels.h"
 
 namespace {
 
@@ -166,15 +171,30 @@ PyObject* unchanged(PyObject*, PyObject* args) {
     PyErr_SetString(PyExc_ValueError, "unchanged: buffers and counts differ in length");
     return nullptr;
   }
+  // Both loops are bound by memory latency (one small dict, one TensorImpl per
+  // parameter): the objects a few iterations ahead are prefetched (see flat_check).
+  constexpr Py_ssize_t kAhead = 16;
   Py_ssize_t at = 0;
   const Py_ssize_t n = PyList_GET_SIZE(containers);
   for (Py_ssize_t c = 0; c < n; ++c) {
+    if (c + 2 * kAhead < n) __builtin_prefetch(PyList_GET_ITEM(containers, c + 2 * kAhead));
+    if (c + kAhead < n) {
+      PyObject* ahead = PyList_GET_ITEM(containers, c + kAhead);
+      if (PyDict_CheckExact(ahead)) __builtin_prefetch(((PyDictObject*)ahead)->ma_keys);
+    }
     if (!same_items(PyList_GET_ITEM(containers, c), expected, &at)) Py_RETURN_FALSE;
   }
   if (at != PyList_GET_SIZE(expected)) Py_RETURN_FALSE;
   const int64_t* const want_end = want + n_shapes;
   const Py_ssize_t m = PyList_GET_SIZE(tensors);
   for (Py_ssize_t j = 0; j < m; ++j) {
+    if (j + 2 * kAhead < m) __builtin_prefetch(PyList_GET_ITEM(tensors, j + 2 * kAhead));
+    if (j + kAhead < m) {
+      PyObject* ahead = PyList_GET_ITEM(tensors, j + kAhead);
+      if (THPVariable_Check(ahead)) {
+        __builtin_prefetch(THPVariable_Unpack(ahead).unsafeGetTensorImpl());
+      }
+    }
     if (!same_layout(PyList_GET_ITEM(tensors, j), &want, want_end)) Py_RETURN_FALSE;
   }
   if (want != want_end) Py_RETURN_FALSE;
@@ -248,6 +268,263 @@ PyObject* grads_of(PyObject*, PyObject* params) {
                        relayout ? Py_True : Py_False);
 }
 
+// ---- Note [Flat gradient buckets] (csrc/bindings.h): the handle of one bucket, a capsule
+// around its FlatBucket, and the per-step calls on it.
+constexpr const char* kFlatCapsule = "ruda_torch.FlatBucket";
+
+// The GIL is released while a kernel runs, as torch's operators do (the CPU kernels are
+// parallel, and other Python threads may go on).
+struct ReleasedGil {
+  PyThreadState* state = PyEval_SaveThread();
+  ReleasedGil() = default;
+  ReleasedGil(const ReleasedGil&) = delete;
+  ReleasedGil& operator=(const ReleasedGil&) = delete;
+  ~ReleasedGil() { PyEval_RestoreThread(state); }
+};
+
+void free_flat(PyObject* capsule) {
+  delete static_cast<ruda::FlatBucket*>(PyCapsule_GetPointer(capsule, kFlatCapsule));
+}
+
+ruda::FlatBucket* flat_of(PyObject* obj) {
+  return static_cast<ruda::FlatBucket*>(PyCapsule_GetPointer(obj, kFlatCapsule));
+}
+
+// A list of tensors; false with a Python error set for anything else.
+bool tensor_list(PyObject* obj, const char* name, std::vector<at::Tensor>& out) {
+  if (!PyList_Check(obj)) {
+    PyErr_Format(PyExc_TypeError, "flat_bucket: %s must be a list of tensors", name);
+    return false;
+  }
+  const Py_ssize_t n = PyList_GET_SIZE(obj);
+  out.reserve(n);
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    PyObject* t = PyList_GET_ITEM(obj, i);
+    if (!THPVariable_Check(t)) {
+      PyErr_Format(PyExc_TypeError, "flat_bucket: %s[%zd] is not a tensor", name, i);
+      return false;
+    }
+    out.push_back(THPVariable_Unpack(t));
+  }
+  return true;
+}
+
+std::optional<at::Tensor> optional_tensor(PyObject* obj) {
+  if (obj == Py_None) return std::nullopt;
+  return THPVariable_Unpack(obj);
+}
+
+bool tensor_or_none(PyObject* obj, const char* name) {
+  if (obj == Py_None || THPVariable_Check(obj)) return true;
+  PyErr_Format(PyExc_TypeError, "%s must be a tensor or None", name);
+  return false;
+}
+
+// flat_bucket(owners, params, views, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, steps, slots,
+// master) -> handle; validates as adamw_scaled_ does.
+PyObject* flat_bucket(PyObject*, PyObject* args) {
+  HANDLE_TH_ERRORS
+  PyObject *owners, *params, *views, *grad, *exp_avg, *exp_avg_sq, *max_sq, *steps, *slots, *master;
+  if (!PyArg_ParseTuple(args, "OOOOOOOOOO", &owners, &params, &views, &grad, &exp_avg, &exp_avg_sq,
+                        &max_sq, &steps, &slots, &master)) {
+    return nullptr;
+  }
+  std::vector<at::Tensor> o, p, v;
+  if (!tensor_list(owners, "owners", o) || !tensor_list(params, "params", p) ||
+      !tensor_list(views, "views", v)) {
+    return nullptr;
+  }
+  for (PyObject* t : {grad, exp_avg, exp_avg_sq, steps, slots}) {
+    if (!THPVariable_Check(t)) {
+      PyErr_SetString(PyExc_TypeError,
+                      "flat_bucket: grad, exp_avg, exp_avg_sq, steps and slots "
+                      "must be tensors");  // fmt: skip
+      return nullptr;
+    }
+  }
+  if (!tensor_or_none(max_sq, "max_exp_avg_sq") || !tensor_or_none(master, "master")) {
+    return nullptr;
+  }
+  auto fb = ruda::make_flat_bucket(
+      std::move(o), std::move(p), std::move(v), THPVariable_Unpack(grad),
+      THPVariable_Unpack(exp_avg), THPVariable_Unpack(exp_avg_sq), optional_tensor(max_sq),
+      THPVariable_Unpack(steps), THPVariable_Unpack(slots), optional_tensor(master));
+  PyObject* capsule = PyCapsule_New(fb.get(), kFlatCapsule, free_flat);
+  if (capsule != nullptr) fb.release();
+  return capsule;
+  END_HANDLE_TH_ERRORS
+}
+
+// A CPU int64 tensor of one entry per parameter of `fb`; null with a Python error set.
+int64_t* versions_of(PyObject* obj, const ruda::FlatBucket& fb) {
+  if (THPVariable_Check(obj)) {
+    const at::Tensor& t = THPVariable_Unpack(obj);
+    if (t.scalar_type() == at::kLong && t.is_cpu() && t.is_contiguous() &&
+        t.numel() == static_cast<int64_t>(fb.views.size())) {
+      return t.numel() > 0 ? t.data_ptr<int64_t>() : nullptr;
+    }
+  }
+  PyErr_SetString(PyExc_TypeError, "clean must be a contiguous CPU int64 tensor, one per view");
+  return nullptr;
+}
+
+// flat_check(handle, clean) -> (current, broken, inactive). current: no parameter's
+// memory moved (else the handle must be made again). broken: the parameters whose `grad`
+// is not their view any more, or whose view's memory moved off the flat buffer (checked
+// when its sharing count changed, Note [Flat gradient buckets]). inactive: those whose view was not
+// written since flat_mark() recorded its version in `clean` (-1: counts as written). Reads only.
+PyObject* flat_check(PyObject*, PyObject* args) {
+  HANDLE_TH_ERRORS
+  PyObject *handle, *clean_obj;
+  if (!PyArg_ParseTuple(args, "OO", &handle, &clean_obj)) return nullptr;
+  ruda::FlatBucket* fb = flat_of(handle);
+  if (fb == nullptr) return nullptr;
+  const int64_t n = static_cast<int64_t>(fb->views.size());
+  const int64_t* clean = versions_of(clean_obj, *fb);
+  if (clean == nullptr && n > 0) return nullptr;
+  PyObject* broken = PyList_New(0);
+  PyObject* inactive = PyList_New(0);
+  if (broken == nullptr || inactive == nullptr) {
+    Py_XDECREF(broken);
+    Py_XDECREF(inactive);
+    return nullptr;
+  }
+  bool current = true;
+  const bool suspect = ruda::flat_views_suspect(*fb);
+  bool moved = false;
+  // The loop is bound by memory latency: each parameter is a chain of separately
+  // allocated objects (its TensorImpl, its autograd meta holding `grad`, its storage; the
+  // view's TensorImpl and version counter). Prefetching the heads of the chains a few
+  // parameters ahead, and their second links a little less ahead, overlaps the misses.
+  constexpr int64_t kAhead = 16;
+  auto prefetch_heads = [&](int64_t j) {
+    __builtin_prefetch(fb->owners[j].unsafeGetTensorImpl());
+    __builtin_prefetch(fb->views[j].unsafeGetTensorImpl());
+  };
+  auto prefetch_links = [&](int64_t j) {
+    c10::TensorImpl* p = fb->owners[j].unsafeGetTensorImpl();
+    __builtin_prefetch(p->autograd_meta());
+    if (p->has_storage()) __builtin_prefetch(p->storage().unsafeGetStorageImpl());
+  };
+  for (int64_t j = 0; j < std::min(n, 2 * kAhead); ++j) prefetch_heads(j);
+  for (int64_t j = 0; j < std::min(n, kAhead); ++j) prefetch_links(j);
+  for (int64_t i = 0; i < n; ++i) {
+    if (i + 2 * kAhead < n) prefetch_heads(i + 2 * kAhead);
+    if (i + kAhead < n) prefetch_links(i + kAhead);
+    const at::Tensor& view = fb->views[i];
+    // TensorImpl::grad, not Tensor::grad: the latter asks autograd whether the tensor
+    // is a leaf (for a warning), a second pointer chase per parameter.
+    const at::Tensor& grad = fb->owners[i].unsafeGetTensorImpl()->grad();
+    current = current && ruda::flat_param_current(*fb, static_cast<size_t>(i));
+    PyObject* into = nullptr;
+    const bool gone = suspect && ruda::flat_view_moved(*fb, static_cast<size_t>(i));
+    moved = moved || gone;
+    if (gone || !grad.defined() || grad.unsafeGetTensorImpl() != view.unsafeGetTensorImpl()) {
+      into = broken;
+    } else if (static_cast<int64_t>(view._version()) == clean[i]) {
+      into = inactive;
+    }
+    if (into != nullptr) {
+      PyObject* index = PyLong_FromLongLong(i);
+      if (index == nullptr || PyList_Append(into, index) < 0) {
+        Py_XDECREF(index);
+        Py_DECREF(broken);
+        Py_DECREF(inactive);
+        return nullptr;
+      }
+      Py_DECREF(index);
+    }
+  }
+  if (suspect && !moved) fb->grad_sharers = fb->grad.storage().use_count();
+  return Py_BuildValue("(ONN)", current ? Py_True : Py_False, broken, inactive);
+  END_HANDLE_TH_ERRORS
+}
+
+// flat_mark(handle, clean, unwritten): clean[i] := the version of view i when `unwritten`
+// (the views were just zeroed as if set to None: a view not written before the next step
+// is a parameter without a gradient), else -1 (the view holds a zero gradient) except
+// for a view still unwritten, which stays so (torch keeps a None gradient None).
+PyObject* flat_mark(PyObject*, PyObject* args) {
+  HANDLE_TH_ERRORS
+  PyObject *handle, *clean_obj;
+  int unwritten = 0;
+  if (!PyArg_ParseTuple(args, "OOp", &handle, &clean_obj, &unwritten)) return nullptr;
+  ruda::FlatBucket* fb = flat_of(handle);
+  if (fb == nullptr) return nullptr;
+  const int64_t n = static_cast<int64_t>(fb->views.size());
+  int64_t* clean = versions_of(clean_obj, *fb);
+  if (clean == nullptr && n > 0) return nullptr;
+  for (int64_t i = 0; i < n; ++i) {
+    const auto version = static_cast<int64_t>(fb->views[i]._version());
+    clean[i] = unwritten || clean[i] == version ? version : -1;
+  }
+  Py_RETURN_NONE;
+  END_HANDLE_TH_ERRORS
+}
+
+// flat_step(handle, active, validate_only, amsgrad, lr, lr_tensor, beta1, beta2, eps, weight_decay,
+// maximize, grad_scale, found_inf, stats, max_grad_norm, clip_coef, rounding, seed):
+// one update of the bucket's parameters listed in `active` (ascending indices; None: all),
+// or with validate_only its validation alone (writes nothing).
+PyObject* flat_step(PyObject*, PyObject* args) {
+  HANDLE_TH_ERRORS
+  PyObject *handle, *active_obj, *lr_tensor, *grad_scale, *found_inf, *stats, *clip_coef;
+  int validate_only = 0, amsgrad = 0, maximize = 0;
+  double lr, beta1, beta2, eps, weight_decay, max_grad_norm;
+  long long rounding, seed;
+  if (!PyArg_ParseTuple(args, "OOppdOddddpOOOdOLL", &handle, &active_obj, &validate_only, &amsgrad,
+                        &lr, &lr_tensor, &beta1, &beta2, &eps, &weight_decay, &maximize,
+                        &grad_scale, &found_inf, &stats, &max_grad_norm, &clip_coef, &rounding,
+                        &seed)) {
+    return nullptr;
+  }
+  ruda::FlatBucket* fb = flat_of(handle);
+  if (fb == nullptr) return nullptr;
+  for (PyObject* t : {lr_tensor, grad_scale, found_inf, stats, clip_coef}) {
+    if (!tensor_or_none(t, "flat_step: lr_tensor, grad_scale, found_inf, stats and clip_coef")) {
+      return nullptr;
+    }
+  }
+  std::vector<int64_t> active;
+  if (active_obj != Py_None) {
+    if (!PyList_Check(active_obj)) {
+      PyErr_SetString(PyExc_TypeError, "flat_step: active must be a list of int or None");
+      return nullptr;
+    }
+    const Py_ssize_t k = PyList_GET_SIZE(active_obj);
+    active.reserve(k);
+    for (Py_ssize_t j = 0; j < k; ++j) {
+      const long long v = PyLong_AsLongLong(PyList_GET_ITEM(active_obj, j));
+      if (v == -1 && PyErr_Occurred()) return nullptr;
+      active.push_back(v);
+    }
+  }
+  TORCH_CHECK(ruda::flat_bucket_current(*fb),
+              "ruda_torch.flat_step: a parameter's memory moved since the handle was made");
+  // Validation needs the subset's size only; selecting it first is not a write.
+  ruda::flat_bucket_select(*fb, active_obj == Py_None ? nullptr : &active);
+  ruda::AdamWLaunch launch = ruda::prepare_flat_step(
+      *fb, amsgrad != 0, optional_tensor(grad_scale), optional_tensor(found_inf),
+      optional_tensor(stats), optional_tensor(clip_coef), lr, beta1, beta2, eps, weight_decay,
+      max_grad_norm, maximize != 0, optional_tensor(lr_tensor), rounding, seed);
+  if (validate_only || fb->active.empty()) Py_RETURN_NONE;
+  {
+    const ReleasedGil no_gil;
+    if (fb->device.is_cpu()) {
+      launch.table = fb->active.data();
+      ruda::adamw_cpu(launch);
+    } else {
+#ifdef RUDA_TORCH_WITH_CUDA
+      ruda::launch_flat_cuda(*fb, launch);
+#else
+      TORCH_CHECK(false, "ruda_torch.flat_step: CUDA tensors in a build without CUDA kernels");
+#endif
+    }
+  }
+  Py_RETURN_NONE;
+  END_HANDLE_TH_ERRORS
+}
+
 PyMethodDef kMethods[] = {
     {"grads_of", grads_of, METH_O, "grads_of(params) -> (grads, missing, mixed, relayout)"},
     {"unchanged", unchanged, METH_VARARGS,
@@ -255,6 +532,16 @@ PyMethodDef kMethods[] = {
      "(Note [Fused state coherence])"},
     {"use_counts", use_counts, METH_O, "use_counts(buffers) -> list[int]"},
     {"layout_record", layout_record, METH_O, "layout_record(tensors) -> list[int]"},
+    {"flat_bucket", flat_bucket, METH_VARARGS,
+     "flat_bucket(owners, params, views, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, steps, "
+     "slots, master) -> handle (Note [Flat gradient buckets])"},
+    {"flat_check", flat_check, METH_VARARGS,
+     "flat_check(handle, clean) -> (current, broken, inactive)"},
+    {"flat_mark", flat_mark, METH_VARARGS, "flat_mark(handle, clean, unwritten) -> None"},
+    {"flat_step", flat_step, METH_VARARGS,
+     "flat_step(handle, active, validate_only, amsgrad, lr, lr_tensor, beta1, beta2, eps, "
+     "weight_decay, maximize, grad_scale, found_inf, stats, max_grad_norm, clip_coef, "
+     "rounding, seed) -> None"},
     {nullptr, nullptr, 0, nullptr}};
 
 }  // namespace

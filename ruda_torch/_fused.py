@@ -27,6 +27,29 @@ element, at the cost of reading the parameter (2 bytes per element) in the same 
 So a master is never stale, a checkpoint without one (torch's) starts from the
 parameter, and one with one (ours) resumes bit for bit.
 
+Note [Flat gradient buckets]
+With ``flat_grads=True`` a bucket also owns ``grad_flat``, one gradient buffer in the
+parameters' dtype with the state's offsets, and for each parameter a tensor over its
+slice (made with ``set_``, so that it is not an autograd view and has a version counter of
+its own) that the optimizer makes ``p.grad``; backward accumulates into it in place
+(AccumulateGrad adds into an existing gradient when grad mode is off). Three facts are
+kept per bucket, and checked by one C loop per step (``_C.flat_check``):
+- which gradients are still their views: ``p.grad`` is the view object, and the view's
+  memory is still its slice (checked when the buffer's sharing count changed, the
+  proxy used for state views below). Any other gradient (assigned, None, allocated by
+  backward after ``model.zero_grad()``) makes the step take the bucket's gradients
+  where they are, as without flat_grads, and afterwards copy them into the views and put
+  the views back (``adopt_grads``): never a step from a stale buffer;
+- which views were written since ``zero_grad()``: ``clean[i]`` is the view's version
+  when zero_grad left it unwritten, -1 when it holds a gradient; an unwritten view is a
+  parameter without a gradient, not stepped, torch's rule for a None gradient;
+- the native handle (``_C.flat_bucket``): the bucket's tensor table, validated once as
+  adamw_scaled_ validates it, with the gradient addresses in the buffer. A step checks
+  that no parameter's memory moved (``p.data = ...``; a new handle is validated if one
+  did) and launches on the table, on CUDA kept in device memory (csrc/bindings.h).
+The rest of the step (state, statistics, clipping, the atomic validation) is the same
+for both kinds of bucket; only where the gradients are read from differs.
+
 Note [Fused state coherence]
 ``optimizer.state`` and ``param_groups`` are the truth, as in every torch optimizer; the
 buckets are a cache derived from them (a ``FusedPlan``). The plan records what it was
@@ -94,7 +117,12 @@ class Bucket:
     """Flat state of one (param group, device); see Note [Buckets]."""
 
     def __init__(
-        self, params: list[torch.Tensor], amsgrad: bool, scope=LOCAL, master: bool = False
+        self,
+        params: list[torch.Tensor],
+        amsgrad: bool,
+        scope=LOCAL,
+        master: bool = False,
+        flat: bool = False,
     ):
         self.params = params
         self.shapes = [p.shape for p in params]
@@ -142,6 +170,15 @@ class Bucket:
         self.n_rows_all = sum(ops.stats_rows_for(t.numel()) for t in self.locals)
         self.rows = None  # statistics buffers, allocated on first use
         self.scratch = None
+        # Note [Flat gradient buckets]: the flat gradient buffer, a view of it per parameter
+        # (what p.grad is), and for each view the version it had when zero_grad() left it
+        # unwritten (-1: it holds a gradient whatever its version).
+        self.grad_flat = self.grad_views = self.clean = self._handle = None
+        self.replaced_in_a_row = 0  # steps in a row that found views replaced
+        if flat:
+            self.grad_flat = torch.zeros(total, dtype=self.dtype, device=self.device)
+            self.grad_views = [self._grad_view(i) for i in range(len(params))]
+            self.clean = torch.full((len(params),), -1, dtype=torch.int64)
 
     @property
     def buffers(self) -> list[torch.Tensor]:
@@ -157,7 +194,7 @@ class Bucket:
     def _buffer(self, key: str) -> torch.Tensor | None:
         return self.master if key == MASTER_KEY else getattr(self, key)
 
-    def can_serve(self, params: list, scope, amsgrad: bool, master: bool) -> bool:
+    def can_serve(self, params: list, scope, amsgrad: bool, master: bool, flat: bool) -> bool:
         """Whether this bucket can stay the bucket of ``params`` (Note [Fused state
         coherence], step 1)."""
         return (
@@ -170,6 +207,7 @@ class Bucket:
             and all(local(p).device == self.device for p in params)
             and (self.max_exp_avg_sq is not None or not amsgrad)
             and (self.master is not None) == (master and self.dtype in _HALF_DTYPES)
+            and self.flat == flat
         )
 
     def _slice(self, buf: torch.Tensor, i: int) -> torch.Tensor:
@@ -179,6 +217,75 @@ class Bucket:
         if t.is_contiguous() or i in self.staged:
             return flat.view(t.shape)
         return flat.as_strided(t.shape, t.stride())
+
+    def _grad_view(self, i: int) -> torch.Tensor:
+        """Slot i of the flat gradient buffer as a tensor of its own (not a view in
+        autograd's sense, so that it has its own version counter), laid out like the
+        kernel steps the parameter: its strides when dense, contiguous when staged."""
+        t = self.locals[i]
+        stride = t.stride() if i not in self.staged else _contiguous_strides(t.shape)
+        view = torch.empty(0, dtype=t.dtype, device=t.device)
+        return view.set_(self.grad_flat.untyped_storage(), self.offsets[i], t.shape, stride)
+
+    def _grad_address(self, i: int) -> int:
+        return self.grad_flat.data_ptr() + self.grad_flat.element_size() * self.offsets[i]
+
+    @property
+    def flat(self) -> bool:
+        return self.grad_flat is not None
+
+    def handle(self):
+        """The native handle of the flat bucket (Note [Flat gradient buckets] in
+        csrc/bindings.h), made again when a parameter's memory moved."""
+        if self._handle is None:
+            self._handle = _C.flat_bucket(
+                list(self.locals), list(self.targets), self.grad_views, self.grad_flat,
+                self.exp_avg, self.exp_avg_sq, self.max_exp_avg_sq, self.steps,
+                self.slots_all, self.master,
+            )  # fmt: skip
+        return self._handle
+
+    def check_grads(self) -> tuple[list[int], list[int]]:
+        """(replaced, unwritten): the parameters whose ``grad`` is not their view any more,
+        and those whose view was not written since zero_grad(). Reads only."""
+        current, replaced, unwritten = _C.flat_check(self.handle(), self.clean)
+        if not current:  # `p.data = ...` moved a parameter: validate a new handle
+            self._handle = None
+            current, replaced, unwritten = _C.flat_check(self.handle(), self.clean)
+        return replaced, unwritten
+
+    def adopt_grads(self, indices: list[int]) -> None:
+        """Make ``p.grad`` the view again for each listed parameter, keeping its value: a
+        replaced gradient is copied into the view, a missing one leaves the view zero and
+        unwritten (the parameter still has no gradient for the step)."""
+        for i in indices:
+            p, view = self.params[i], self.grad_views[i]
+            g = p.grad
+            if view.numel() and view.data_ptr() != self._grad_address(i):
+                # The view itself was moved off the buffer (``p.grad.data = ...``): a new
+                # view takes its place, and a new handle holds it.
+                view = self.grad_views[i] = self._grad_view(i)
+                self._handle = None
+            if g is None:
+                view.zero_()
+                self.clean[i] = view._version
+            else:
+                if g is not view:
+                    view.copy_(local(g))
+                self.clean[i] = -1
+            p.grad = view
+
+    def zero_grads(self, set_to_none: bool) -> None:
+        """optimizer.zero_grad() for this bucket: one fill of the flat buffer, the views
+        kept (reinstalled where something replaced them)."""
+        replaced, _ = self.check_grads()
+        had_none = [i for i in replaced if self.params[i].grad is None]
+        self.grad_flat.zero_()
+        for i in replaced:
+            self.params[i].grad = self.grad_views[i]
+        _C.flat_mark(self.handle(), self.clean, set_to_none)
+        for i in had_none:  # as torch: a missing gradient stays missing without set_to_none
+            self.clean[i] = self.grad_views[i]._version
 
     def _staged_active(self, active: list[int]) -> list[int]:
         if len(active) == len(self.params):
@@ -293,6 +400,14 @@ def _same(a, b) -> bool:
     return a is b
 
 
+def _contiguous_strides(shape) -> tuple[int, ...]:
+    strides, acc = [], 1
+    for n in reversed(shape):
+        strides.append(acc)
+        acc *= max(n, 1)
+    return tuple(reversed(strides))
+
+
 def is_dense(t: torch.Tensor) -> bool:
     """Whether ``t``'s elements fill one gap-free range of memory without overlap
     (at::Tensor::is_non_overlapping_and_dense, which Python does not expose): contiguous,
@@ -339,6 +454,8 @@ def check_fused_param(p, gi: int, j: int, group=None, built: bool = True) -> Non
             f"stochastic_rounding=True is implemented for bfloat16 parameters; {where} is "
             "float16. Use master_weights=True for float16 parameters"
         )
+    if group is not None and group.get("flat_grads"):
+        check_flat_param(p, where)
     t = local(p)
     if t.is_meta and not built:
         return
@@ -350,6 +467,28 @@ def check_fused_param(p, gi: int, j: int, group=None, built: bool = True) -> Non
     check_device(t.device, "ruda_torch.AdamW(fused_step=True)")
 
 
+def check_flat_param(p: torch.Tensor, where: str) -> None:
+    """flat_grads=True makes ``p.grad`` a view of the bucket's buffer: for plain tensors
+    and nn.Parameters, whose gradients autograd accumulates in place."""
+    if getattr(p, "_is_flat_param", False):
+        raise ValueError(
+            f"flat_grads=True: {where} is an FSDP FlatParameter, whose gradient FSDP "
+            "replaces after every reduce-scatter; it is already one flat gradient per FSDP "
+            "unit, so flat_grads adds nothing: pass flat_grads=False (docs/usage.md)"
+        )
+    if hasattr(p, "device_mesh"):
+        raise ValueError(
+            f"flat_grads=True: {where} is a DTensor (FSDP2 / tensor parallel), whose gradient "
+            "FSDP2 writes as a new sharded tensor at every backward; pass flat_grads=False "
+            "(docs/usage.md)"
+        )
+    if type(p) not in (torch.Tensor, torch.nn.Parameter):
+        raise ValueError(
+            f"flat_grads=True takes torch.Tensor and nn.Parameter parameters; {where} is a "
+            f"{type(p).__name__}. Use flat_grads=False for its group"
+        )
+
+
 def check_group_options(group: dict, gi) -> None:
     """The param-group options of the fused path that depend on each other."""
     where = "" if gi is None else f" (param group {gi})"
@@ -358,12 +497,12 @@ def check_group_options(group: dict, gi) -> None:
             f"master_weights=True and stochastic_rounding=True exclude each other{where}: the "
             "master keeps the exact value, stochastic rounding is the way to go without one"
         )
-    if (group.get("master_weights") or group.get("stochastic_rounding")) and not group.get(
-        "fused_step"
-    ):
+    if (
+        group.get("master_weights") or group.get("stochastic_rounding") or group.get("flat_grads")
+    ) and not group.get("fused_step"):
         raise ValueError(
-            f"master_weights and stochastic_rounding require fused_step=True{where} (they are "
-            "options of the native kernel)"
+            f"master_weights, stochastic_rounding and flat_grads require fused_step=True{where} "
+            "(they are options of the native fused path)"
         )
     seed = group.get("rounding_seed", 0)
     if isinstance(seed, bool) or not isinstance(seed, int):
@@ -436,6 +575,7 @@ def _flags(group: dict) -> tuple:
         bool(group.get("fused_step")),
         bool(group.get("amsgrad")),
         bool(group.get("master_weights")),
+        bool(group.get("flat_grads")),
     )
 
 
@@ -489,13 +629,14 @@ def derive(opt, previous: FusedPlan | None, needs_global: bool) -> FusedPlan:
                 )
         amsgrad = bool(group["amsgrad"])
         master = bool(group.get("master_weights"))
+        flat = bool(group.get("flat_grads"))
         buckets = []
         for scope, ps, js in split_group(opt, gi, group, needs_global):
             b = kept.pop(tuple(map(id, ps)), None)
-            if b is not None and b.can_serve(ps, scope, amsgrad, master):
+            if b is not None and b.can_serve(ps, scope, amsgrad, master, flat):
                 reused.append(b)
             else:
-                b = Bucket(ps, amsgrad, scope, master)
+                b = Bucket(ps, amsgrad, scope, master, flat)
             buckets.append(b)
             for i, (p, j) in enumerate(zip(ps, js, strict=True)):
                 where = f"optimizer.state of param group {gi} parameter {j}"

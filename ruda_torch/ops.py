@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from . import _build  # noqa: F401  (loads the extension, which registers the schemas)
+from . import _C, _build  # noqa: F401  (loading _C registers the schemas)
 
 _ops = torch.ops.ruda_torch
 
@@ -102,14 +102,7 @@ def _call(
     stochastic_rounding=False,
     seed=0,
 ) -> None:
-    if isinstance(lr, torch.Tensor):  # a Tensor lr may come as lr= too
-        lr, lr_tensor = 0.0, lr
-    if (  # the kernels read FP32 or FP64; other dtypes are the binding's error
-        lr_tensor is not None
-        and lr_tensor.is_floating_point()
-        and lr_tensor.dtype not in (torch.float32, torch.float64)
-    ):
-        lr_tensor = lr_tensor.to(torch.float64)
+    lr, lr_tensor = _lr_args(lr, lr_tensor)
     op(
         params, grads, exp_avg, exp_avg_sq, max_exp_avg_sq, steps, slots,
         grad_scale, found_inf, stats, clip_coef,
@@ -117,6 +110,53 @@ def _call(
         master=master, lr_tensor=lr_tensor, rounding=1 if stochastic_rounding else 0,
         seed=_seed64(seed),
     )  # fmt: skip
+
+
+def flat_step(
+    handle,
+    active: list[int] | None,
+    *,
+    validate_only: bool,
+    amsgrad: bool,
+    lr: float | torch.Tensor,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    maximize: bool,
+    grad_scale: torch.Tensor | None,
+    found_inf: torch.Tensor | None,
+    stats: torch.Tensor | None,
+    max_grad_norm: float,
+    clip_coef: torch.Tensor | None,
+    stochastic_rounding: bool,
+    seed: int,
+) -> None:
+    """:func:`adamw_scaled_` over a flat-gradient bucket's handle (Note [Flat gradient
+    buckets] in csrc/bindings.h): the tensors are the handle's, validated when it was
+    made; ``active`` lists the parameters to step (None: all). Private to the optimizer:
+    the handle is not an operator argument, so this is not traceable."""
+    lr, lr_tensor = _lr_args(lr, None)
+    _C.flat_step(
+        handle, active, validate_only, bool(amsgrad), float(lr), lr_tensor, float(beta1), float(beta2),
+        float(eps), float(weight_decay), bool(maximize), grad_scale, found_inf, stats,
+        float(max_grad_norm), clip_coef, 1 if stochastic_rounding else 0, _seed64(seed),
+    )  # fmt: skip
+
+
+def _lr_args(lr, lr_tensor):
+    """(float lr, Tensor lr or None): a Tensor lr may come as lr= too, and is given to the
+    kernels as FP32 or FP64 (another floating dtype is converted; the rest is the binding's
+    error)."""
+    if isinstance(lr, torch.Tensor):
+        lr, lr_tensor = 0.0, lr
+    if (
+        lr_tensor is not None
+        and lr_tensor.is_floating_point()
+        and lr_tensor.dtype not in (torch.float32, torch.float64)
+    ):
+        lr_tensor = lr_tensor.to(torch.float64)
+    return lr, lr_tensor
 
 
 def _seed64(seed: int) -> int:

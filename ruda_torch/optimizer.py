@@ -27,7 +27,10 @@ with several calls, and keeps one operator per bucket and gradient dtype.
 from __future__ import annotations
 
 import copy
+import functools
 import operator
+import warnings
+from collections import defaultdict
 from dataclasses import dataclass
 
 import torch
@@ -53,8 +56,10 @@ __all__ = ["AdamW", "GradientReport"]
 _TORCH_GROUP_KEYS = dict(
     foreach=None, capturable=False, differentiable=False, fused=None, decoupled_weight_decay=True
 )
-# The fused path's options for 16-bit parameters (param-group keys), with their defaults.
-_ROUNDING_KEYS = dict(master_weights=False, stochastic_rounding=False, rounding_seed=0)
+# The fused path's param-group options besides fused_step, with their defaults.
+_FUSED_KEYS = dict(
+    master_weights=False, stochastic_rounding=False, rounding_seed=0, flat_grads=False
+)
 # Optimizer-wide options that change the math, and the last report: pickled with the
 # optimizer (torch's Optimizer pickles only defaults, state and param_groups).
 _OPTIONS = dict(hierarchical_stats=False, max_grad_norm=None, process_group=None, last_report=None)
@@ -69,6 +74,7 @@ class _FusedCall:
     active: list[int]
     grads: list[torch.Tensor]
     gi: int  # index of the param group, for messages
+    flat: bool = False  # through the bucket's flat-gradient handle
 
 
 class AdamW(Optimizer):
@@ -108,6 +114,12 @@ class AdamW(Optimizer):
             keep an FP32 master copy (``state[p]["master_param"]``) that the kernel
             updates, writing the parameter rounded to nearest even from it in the same
             pass (Note [Master weights]). A param-group option.
+        flat_grads (bool, default False): for a fused group, make every ``p.grad`` a view
+            of one flat gradient buffer per bucket, laid out like the state, which
+            backward accumulates into in place; ``zero_grad()`` fills the buffer with
+            zeros, and a step checks one address per parameter instead of gathering its
+            gradient (Note [Flat gradient buckets]; docs/usage.md says what a user sees).
+            A param-group option.
         stochastic_rounding (bool, default False): for BF16 parameters of a fused group
             without master weights, round the FP32 result to BF16 stochastically
             (unbiased), reproducibly from ``rounding_seed`` (int, default 0), the step
@@ -159,6 +171,7 @@ class AdamW(Optimizer):
         master_weights: bool = False,
         stochastic_rounding: bool = False,
         rounding_seed: int = 0,
+        flat_grads: bool = False,
         hierarchical_stats: bool = False,
         max_grad_norm: float | None = None,
         process_group=None,
@@ -197,9 +210,12 @@ class AdamW(Optimizer):
             master_weights=master_weights,
             stochastic_rounding=stochastic_rounding,
             rounding_seed=rounding_seed,
+            flat_grads=flat_grads,
         )
         _fused.check_group_options(defaults, None)
+        self._flat_warned = False
         super().__init__(params, defaults)
+        self._install_flat_grads()  # before the first backward, which then fills the views
 
     # ------------------------------------------------------------------ pickling
     # torch's Optimizer pickles only defaults, state and param_groups; the options that
@@ -215,7 +231,7 @@ class AdamW(Optimizer):
             group.setdefault("amsgrad", False)
             group.setdefault("maximize", False)
             group.setdefault("fused_step", self.defaults.get("fused_step", False))
-            for k, v in _ROUNDING_KEYS.items():
+            for k, v in _FUSED_KEYS.items():
                 group.setdefault(k, self.defaults.get(k, v))
             for k, v in _TORCH_GROUP_KEYS.items():
                 group.setdefault(k, v)
@@ -223,6 +239,7 @@ class AdamW(Optimizer):
         for k, v in _OPTIONS.items():
             self.__dict__.setdefault(k, v)  # pickles older than these options
         self.__dict__.setdefault("_plan", None)
+        self.__dict__.setdefault("_flat_warned", False)
 
     def __deepcopy__(self, memo):
         # A process group is a handle to shared communicators: the copy shares it.
@@ -285,7 +302,7 @@ class AdamW(Optimizer):
             id_to_param.update(zip(saved["params"], current["params"], strict=True))
             g = dict(saved)
             g.setdefault("fused_step", current["fused_step"])
-            for k in _ROUNDING_KEYS:
+            for k in _FUSED_KEYS:
                 g.setdefault(k, current[k])
             check_hyperparameters(g["lr"], g["betas"], g["eps"], g["weight_decay"])
             _fused.check_group_options(g, gi)
@@ -357,8 +374,16 @@ class AdamW(Optimizer):
         plan = self._current_plan()
         calls: list[_FusedCall] = []
         fresh: list[tuple[_fused.Bucket, int, bool]] = []  # slots that get state now
+        readopt: list[tuple[_fused.Bucket, list[int]]] = []  # flat views to put back
         for gi, group, buckets in plan.groups:
             for b in buckets:
+                if b.flat:
+                    replaced, unwritten = b.check_grads()
+                    if replaced:  # this step takes the gradients where they are
+                        readopt.append((b, replaced))
+                    else:
+                        self._flat_call(b, group, gi, unwritten, calls, fresh)
+                        continue
                 grads, missing, mixed, relayout = _C.grads_of(b.params)
                 if not missing:
                     active = b.all_slots
@@ -406,6 +431,10 @@ class AdamW(Optimizer):
             raise ValueError(
                 "hierarchical_stats=True requires fused_step=True in every param group"
             )
+        if any(c.bucket.device.type == "cuda" for c in calls) and (
+            torch.cuda.is_current_stream_capturing()
+        ):
+            self._check_capturable(calls, generic)
         per_device = _stats.PerDevice()
         if self.hierarchical_stats:
             for c in calls:  # raises for a gradient too large for one report
@@ -455,6 +484,127 @@ class AdamW(Optimizer):
                 )  # fmt: skip
         if stats is not None:
             self.last_report = GradientReport(stats, self.max_grad_norm, found_inf)
+        self._readopt(plan, readopt)
+
+    # ------------------------------------------------------------------ gradients
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Reset the gradients, as ``torch.optim.Optimizer.zero_grad``. In a group with
+        ``flat_grads`` the gradients stay views of the flat buffer, which is filled with
+        zeros in one pass; with ``set_to_none`` a parameter whose view backward does not
+        write before the next step counts as having no gradient, and is not stepped
+        (docs/usage.md, Note [Flat gradient buckets])."""
+        flat = set()
+        with torch.no_grad():
+            for b in self._flat_buckets():
+                b.zero_grads(set_to_none)
+                flat.update(map(id, b.params))
+        foreach = self.defaults.get("foreach", False) or self.defaults.get("fused", False)
+        if not hasattr(self, "_zero_grad_profile_name"):
+            self._patch_step_function()
+        grouped: dict = defaultdict(lambda: defaultdict(list))
+        with torch.autograd.profiler.record_function(self._zero_grad_profile_name):
+            for group in self.param_groups:
+                for p in group["params"]:
+                    if p.grad is None or id(p) in flat:
+                        continue
+                    if set_to_none:
+                        p.grad = None
+                        continue
+                    if p.grad.grad_fn is not None:
+                        p.grad.detach_()
+                    else:
+                        p.grad.requires_grad_(False)
+                    if not foreach or p.grad.is_sparse:
+                        p.grad.zero_()
+                    else:
+                        grouped[p.grad.device][p.grad.dtype].append(p.grad)
+            for per_dtype in grouped.values():
+                for grads in per_dtype.values():
+                    torch._foreach_zero_(grads)
+
+    def _flat_buckets(self) -> list[_fused.Bucket]:
+        """The buckets with flat gradients, the plan derived if needed; none while a flat
+        group still has meta parameters (the model is not materialized yet)."""
+        groups = [g for g in self.param_groups if g.get("fused_step") and g.get("flat_grads")]
+        if not groups or any(local(p).is_meta for g in groups for p in g["params"]):
+            return []
+        return [b for b in self._current_plan().buckets if b.flat]
+
+    def _install_flat_grads(self) -> None:
+        with torch.no_grad():
+            for b in self._flat_buckets():
+                replaced, _ = b.check_grads()
+                b.adopt_grads(replaced)
+
+    def _flat_call(self, b, group, gi: int, unwritten: list[int], calls, fresh) -> None:
+        """The kernel call of a flat bucket whose views are all in place: every parameter
+        whose view was written since zero_grad() (Note [Flat gradient buckets])."""
+        if not unwritten:
+            active, grads = b.all_slots, b.grad_views
+        else:
+            skip = set(unwritten)
+            active = [i for i in b.all_slots if i not in skip]
+            if not active:
+                return
+            grads = [b.grad_views[i] for i in active]
+        if b.n_with_state != len(b.params):
+            fresh.extend((b, i, group["amsgrad"]) for i in active if b.views[i] is None)
+        calls.append(_FusedCall(b, group, active, grads, gi, flat=True))
+
+    def _readopt(self, plan, readopt) -> None:
+        """After a step that found flat views replaced (``model.zero_grad()``, an assigned
+        ``p.grad``, DDP with ``gradient_as_bucket_view=True``, backward with
+        ``create_graph=True``): the gradients go back into the views, values kept."""
+        replaced_now = {id(b) for b, _ in readopt}
+        for b in plan.buckets:
+            if b.flat:
+                b.replaced_in_a_row = b.replaced_in_a_row + 1 if id(b) in replaced_now else 0
+        for b, replaced in readopt:
+            b.adopt_grads(replaced)
+            if b.replaced_in_a_row >= 2 and not self._flat_warned:
+                self._flat_warned = True
+                warnings.warn(
+                    f"ruda_torch.AdamW(flat_grads=True): {len(replaced)} gradient(s) of a "
+                    f"bucket on {b.device} were not the flat buffer's views at two steps in a "
+                    "row, so each step copies them back into it. Something replaces the "
+                    "gradients every iteration: model.zero_grad() or zero_grad(set_to_none="
+                    "True) of another optimizer (call this optimizer's zero_grad() instead), "
+                    "DDP with gradient_as_bucket_view=True, or backward(create_graph=True). "
+                    "Remove that or pass flat_grads=False (docs/usage.md).",
+                    stacklevel=4,
+                )
+
+    # Note [Capturing a step in a CUDA graph]
+    # A replayed graph repeats the kernel launches with the arguments they were captured
+    # with, and reads every device tensor anew: so what changes between steps must live
+    # in device memory. The step counters, GradScaler's scale and found_inf and a Tensor
+    # lr do (the kernels read them); a float lr is baked in at capture. The tensor table
+    # of a flat-gradient bucket stays at one device address, rewritten only when the set
+    # of parameters with a gradient changes (refused during capture), while the gathered
+    # path uploads a fresh table per call from reused pinned memory, which a replay would
+    # read stale: so a captured step needs flat_grads=True in every fused group. The
+    # statistics pass and the tensor-op norm still upload tables and reduce through
+    # per-call buffers, so they are refused too. Capture after a few eager steps (the
+    # first one creates the state), as torch's own capturable optimizers require.
+    def _check_capturable(self, calls, generic) -> None:
+        def refuse(what: str) -> None:
+            raise RuntimeError(
+                f"ruda_torch.AdamW.step() is being captured in a CUDA graph, but {what}. A "
+                "capturable step needs fused_step=True and flat_grads=True in every group "
+                "with CUDA parameters, without hierarchical_stats or max_grad_norm, after at "
+                "least one eager step (Note [Capturing a step in a CUDA graph])"
+            )
+
+        for c in calls:
+            if not c.flat:
+                refuse(f"param group {c.gi} steps gathered gradients (flat_grads=False, or "
+                       "its gradients were replaced since the last step)")  # fmt: skip
+            if c.bucket.n_with_state != len(c.bucket.params):
+                refuse(f"param group {c.gi} has parameters without state yet")
+        if generic:
+            refuse("a group has fused_step=False")
+        if self.hierarchical_stats or self.max_grad_norm is not None:
+            refuse("hierarchical_stats or max_grad_norm is set")
 
     # ------------------------------------------------------------------ internals
     def _current_plan(self) -> _fused.FusedPlan:
@@ -475,15 +625,26 @@ class AdamW(Optimizer):
         writes = op is ops.adamw_scaled_
         if writes and b.staged:
             b.stage_in(c.active)
-        try:
-            op(
-                b.targets if len(c.active) == len(b.params) else [b.targets[i] for i in c.active],
+        all_active = len(c.active) == len(b.params)
+        if c.flat:
+            op = functools.partial(
+                ops.flat_step, b.handle(), None if all_active else c.active,
+                validate_only=not writes, amsgrad=g["amsgrad"],
+            )  # fmt: skip
+        else:
+            op = functools.partial(
+                op,
+                b.targets if all_active else [b.targets[i] for i in c.active],
                 c.grads,
                 b.exp_avg,
                 b.exp_avg_sq,
                 b.max_exp_avg_sq if g["amsgrad"] else None,
                 b.steps,
                 b.slots(c.active),
+                master=b.master,
+            )
+        try:
+            op(
                 lr=lr,
                 beta1=g["betas"][0],
                 beta2=g["betas"][1],
@@ -497,7 +658,6 @@ class AdamW(Optimizer):
                 if stats is not None and self.max_grad_norm
                 else 0.0,
                 clip_coef=per_device.get(clip_coef, dev),
-                master=b.master,
                 stochastic_rounding=bool(g["stochastic_rounding"]) and b.dtype == torch.bfloat16,
                 seed=g["rounding_seed"],
             )

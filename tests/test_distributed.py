@@ -840,7 +840,47 @@ def scenario_rank_order(rank: int, workdir: str, layout: str) -> None:
     )
 
 
+def scenario_flat_grads(rank: int, workdir: str, bucket_view: bool) -> None:
+    """flat_grads=True under DDP: DDP writes the averaged gradients into the views in
+    place (its default), so every step is the flat path's and the trajectory and reports
+    are those of flat_grads=False bit for bit. With gradient_as_bucket_view=True DDP
+    replaces the views with its own buckets at every backward: still the same bits, each
+    step copying them back, and a warning that says so. FSDP1 and FSDP2 parameters are
+    refused with what to do."""
+    import warnings
+
+    runs = {}
+    for flat in (False, True):
+        model = nn.parallel.DistributedDataParallel(
+            make_model(), gradient_as_bucket_view=bucket_view
+        )
+        kwargs = dict(HP, fused_step=True, hierarchical_stats=True, max_grad_norm=MAX_GRAD_NORM)
+        opt = ruda_torch.AdamW(model.parameters(), **kwargs, flat_grads=flat)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            reports = train(model, opt, range(1, 6), rank)
+        flat_path = flat and all(
+            p.grad is v
+            for b in opt._plan.buckets
+            for p, v in zip(b.params, b.grad_views, strict=True)
+        )
+        runs[flat] = (local_params(model), local_state(model, opt), reports, caught, flat_path)
+    assert_same_bits(runs[True][0], runs[False][0], "parameters")
+    assert_same_bits(runs[True][2], runs[False][2], "reports")
+    for a, b in zip(runs[True][1], runs[False][1], strict=True):
+        assert_same_bits(list(a.values()), list(b.values()), "state")
+    assert runs[True][4], "after the step every gradient is a view of the flat buffer again"
+    replaced = [w for w in runs[True][3] if "flat_grads=True" in str(w.message)]
+    assert bool(replaced) == bucket_view, [str(w.message) for w in runs[True][3]]
+    if bucket_view:
+        assert "gradient_as_bucket_view=True" in str(replaced[0].message)
+    for setup, match in (("fsdp1", "FlatParameter"), ("fsdp2", "DTensor")):
+        with pytest.raises(ValueError, match=match):
+            build(setup, flat_grads=True)
+
+
 SCENARIOS = {
+    "flat-grads": scenario_flat_grads,
     "rank-order": scenario_rank_order,
     "zero-global-statistics": scenario_zero_global_statistics,
     "zero-load-after-steps": scenario_zero_load_after_steps,
@@ -853,6 +893,11 @@ SCENARIOS = {
 }
 
 # --------------------------------------------------------------------------- tests
+
+
+@pytest.mark.parametrize("bucket_view", [False, True], ids=["ddp", "ddp-bucket-view"])
+def test_flat_grads_under_ddp(tmp_path, bucket_view):
+    run_scenario(tmp_path, "flat-grads", bucket_view=bucket_view)
 
 
 @pytest.mark.parametrize("setup", SETUPS)

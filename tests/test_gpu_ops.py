@@ -651,3 +651,101 @@ def test_non_contiguous_params_cuda_optimizer_matches_cpu_bitwise(kind):
             opt.step()
         runs.append(p.detach().cpu().contiguous())
     assert same_bits(runs[0], runs[1])
+
+
+# ------------------------------------------------------------------ flat gradients, graphs
+
+_FLAT_SIZES = [97, 1025, 65537, 0, 4096]
+
+
+def _flat_pair(**kwargs):
+    """Twin CUDA parameter lists with flat-gradient optimizers, a Tensor lr each."""
+    gen = torch.Generator().manual_seed(5)
+    base = [torch.randn(n, generator=gen) for n in _FLAT_SIZES]
+    out = []
+    for _ in range(2):
+        params = [torch.nn.Parameter(t.clone().cuda()) for t in base]
+        lr = torch.tensor(1e-3, device="cuda")
+        opt = ruda_torch.AdamW(params, lr=lr, eps=1e-8, weight_decay=1e-2, fused_step=True,
+                               flat_grads=True, **kwargs)  # fmt: skip
+        out.append((params, opt, lr))
+    return out
+
+
+def _step_grads(step: int) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(100 + step)
+    return [torch.randn(n, generator=gen).cuda() for n in _FLAT_SIZES]
+
+
+def _load(params, step: int) -> None:
+    for p, g in zip(params, _step_grads(step), strict=True):
+        p.grad.copy_(g)  # into the view: the graph reads the same memory every replay
+
+
+def test_flat_grads_cuda_match_cpu_bitwise():
+    """The flat-gradient path on CUDA (device-resident table) against the same steps on
+    the CPU, with a parameter without a gradient in one step (a table subset)."""
+    gen = torch.Generator().manual_seed(9)
+    base = [torch.randn(n, generator=gen) for n in _FLAT_SIZES]
+    runs = []
+    for dev in ("cpu", "cuda"):
+        params = [torch.nn.Parameter(t.clone().to(dev)) for t in base]
+        opt = ruda_torch.AdamW(params, eps=1e-8, weight_decay=1e-2, fused_step=True,
+                               flat_grads=True, amsgrad=True)  # fmt: skip
+        for step in range(5):
+            opt.zero_grad()
+            for j, (p, g) in enumerate(zip(params, _step_grads(step), strict=True)):
+                if not (step == 2 and j == 1):
+                    p.grad.copy_(g.to(dev))
+            opt.step()
+        runs.append(params)
+    for a, b in zip(*runs, strict=True):
+        assert same_bits(a.detach(), b.detach().cpu())
+
+
+def test_flat_step_replays_in_a_cuda_graph_bit_for_bit():
+    """Note [Capturing a step in a CUDA graph]: a captured step replayed with new
+    gradients in the views, a Tensor lr decayed between steps and found_inf set on one
+    step gives the bits of eager steps, the skipped step skipped under replay too."""
+    (pe, eager, lr_e), (pg, graphed, lr_g) = _flat_pair()
+    found = [torch.zeros(1, device="cuda") for _ in range(2)]
+    scale = [torch.ones(1, device="cuda") for _ in range(2)]
+    for opt, f, s in ((eager, found[0], scale[0]), (graphed, found[1], scale[1])):
+        opt.found_inf, opt.grad_scale = f, s  # what GradScaler.step hands over
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up steps create the state
+        for step in range(2):
+            for params, opt in ((pe, eager), (pg, graphed)):
+                _load(params, step)
+                opt.step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        graphed.step()
+    for step in range(2, 9):
+        for f in found:
+            f.fill_(1.0 if step == 5 else 0.0)
+        _load(pg, step)
+        graph.replay()
+        _load(pe, step)
+        eager.step()
+        for lr in (lr_e, lr_g):
+            lr.mul_(0.9)
+        torch.cuda.synchronize()
+        for j, (a, b) in enumerate(zip(pe, pg, strict=True)):
+            assert same_bits(a.detach(), b.detach()), f"step {step} parameter {j}"
+            for key, value in eager.state[a].items():
+                assert same_bits(value, graphed.state[b][key]), f"step {step} {j} {key}"
+    assert graphed.state[pg[0]]["step"].item() == 2 + 6  # 7 replays, one skipped
+
+
+def test_capturing_a_gathered_step_is_refused():
+    params = [torch.nn.Parameter(torch.randn(8, device="cuda"))]
+    opt = ruda_torch.AdamW(params, fused_step=True)
+    params[0].grad = torch.randn(8, device="cuda")
+    opt.step()
+    graph = torch.cuda.CUDAGraph()
+    with pytest.raises(RuntimeError, match="flat_grads=True"):
+        with torch.cuda.graph(graph):
+            opt.step()

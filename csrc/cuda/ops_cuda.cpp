@@ -77,6 +77,36 @@ void merge_gradient_stats_chunks_cuda_op(const at::Tensor& reports, const at::Te
 }
 
 }  // namespace
+
+// The device copy of a flat bucket's table is allocated once, for every parameter, and
+// rewritten in place when the subset changes, so that its address never changes: a CUDA
+// graph that captured a step reads the current table at every replay. A change of the
+// subset while a stream captures is refused: the copy would be recorded from a host
+// buffer that is reused.
+void launch_flat_cuda(FlatBucket& fb, AdamWLaunch launch) {
+  if (fb.active.empty()) return;
+  const c10::cuda::CUDAGuard guard(fb.device);
+  const auto stream = c10::cuda::getCurrentCUDAStream();
+  if (!fb.device_table.defined()) {
+    fb.device_table = at::empty({static_cast<int64_t>(fb.table.size()) * 6},
+                                at::TensorOptions().dtype(at::kLong).device(fb.device));
+    fb.device_table_current = false;
+  }
+  if (!fb.device_table_current) {
+    cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
+    C10_CUDA_CHECK(cudaStreamIsCapturing(stream.stream(), &capturing));
+    TORCH_CHECK(capturing == cudaStreamCaptureStatusNone,
+                "ruda_torch.AdamW: the set of parameters with a gradient changed while a CUDA "
+                "graph captures the step; capture a step in which the same parameters have "
+                "gradients as in the eager steps before it");
+    at::Tensor host = upload_table(fb.active, fb.device);
+    fb.device_table.narrow(0, 0, host.numel()).copy_(host, /*non_blocking=*/true);
+    fb.device_table_current = true;
+  }
+  launch.table = reinterpret_cast<const TensorEntry*>(fb.device_table.data_ptr<int64_t>());
+  adamw_cuda(launch, stream.stream());
+}
+
 }  // namespace ruda
 
 TORCH_LIBRARY_IMPL(ruda_torch, CUDA, m) {
