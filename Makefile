@@ -196,7 +196,7 @@ CPU_TORCH ?= torch==2.13.0
 CPU_TESTS ?= tests/test_fixtures.py tests/test_stats.py tests/test_ops.py \
 	tests/test_param_dtypes.py tests/test_optimizer.py tests/test_coherence.py \
 	tests/test_optimizer_stats.py tests/test_optimizer_dtypes.py tests/test_compile.py \
-	tests/test_distributed.py tests/test_flat_grads.py
+	tests/test_distributed.py tests/test_flat_grads.py tests/test_cpu_isa.py
 
 $(CPU_VENV)/.stamp-deps:
 	$(PYTHON) -m venv $(CPU_VENV)
@@ -217,7 +217,7 @@ test-cpu-torch: $(CPU_VENV)/.stamp-deps
 # -------------------------------------------------------------------------------- cleanup
 
 clean:
-	rm -rf build ruda_torch/_C*.so .pytest_cache .ruff_cache
+	rm -rf build ruda_torch/_*.so .pytest_cache .ruff_cache
 	rm -f $(INSTALL_STAMP) $(FRESH_INSTALL) $(BUILD_CONFIG) $(BUILD_CONFIG).tmp $(BUILD_STAMP)
 	find ruda_torch tests examples benchmarks tools .ci -name __pycache__ -type d -prune \
 		-exec rm -rf {} + 2>/dev/null || true

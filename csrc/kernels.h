@@ -11,10 +11,26 @@ namespace ruda {
 constexpr int64_t kCpuTile = 16384;
 constexpr int64_t kCudaTile = 4096;
 
+// The CPU kernels. They are defined once per vector ISA, each build in its own module
+// (csrc/cpu/kernels/, `ruda_torch._cpu_<isa>`); in `ruda_torch._C` these names forward to
+// the build chosen at import (Note [CPU ISA at run time] in csrc/cpu/dispatch.cpp).
 void adamw_cpu(const AdamWLaunch& launch);
 void analyze_gradient_cpu(const StatsLaunch& launch);
 void merge_gradient_stats_cpu(const float* rows, int64_t n_rows, float* out);
 void merge_gradient_stats_chunks_cpu(const float* reports, int64_t n_reports, float* out);
+
+// What an ISA module hands to `_C` (a capsule named kCpuKernelsCapsule). `abi` guards
+// against a module from another build of the package.
+constexpr int kCpuKernelsAbi = 1;
+constexpr const char* kCpuKernelsCapsule = "ruda_torch.CpuKernels";
+struct CpuKernels {
+  int abi;
+  const char* isa;  // "default", "avx2" or "avx512"
+  void (*adamw)(const AdamWLaunch&);
+  void (*analyze_gradient)(const StatsLaunch&);
+  void (*merge_gradient_stats)(const float*, int64_t, float*);
+  void (*merge_gradient_stats_chunks)(const float*, int64_t, float*);
+};
 
 #ifdef RUDA_TORCH_WITH_CUDA
 // All CUDA launchers enqueue on `stream` and return without synchronizing.

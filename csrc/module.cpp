@@ -525,12 +525,25 @@ PyObject* flat_step(PyObject*, PyObject* args) {
   END_HANDLE_TH_ERRORS
 }
 
+}  // namespace
+
+namespace ruda {  // csrc/cpu/dispatch.cpp
+PyObject* set_cpu_kernels(PyObject*, PyObject* capsule);
+PyObject* cpu_supports(PyObject*, PyObject*);
+}  // namespace ruda
+
+namespace {
+
 PyMethodDef kMethods[] = {
     {"grads_of", grads_of, METH_O, "grads_of(params) -> (grads, missing, mixed, relayout)"},
     {"unchanged", unchanged, METH_VARARGS,
      "unchanged(containers, expected, tensors, shapes, buffers, counts) -> bool "
      "(Note [Fused state coherence])"},
     {"use_counts", use_counts, METH_O, "use_counts(buffers) -> list[int]"},
+    {"set_cpu_kernels", ruda::set_cpu_kernels, METH_O,
+     "set_cpu_kernels(capsule) -> str (Note [CPU ISA at run time])"},
+    {"cpu_supports", ruda::cpu_supports, METH_NOARGS,
+     "cpu_supports() -> tuple of the CPU kernel ISAs this machine runs"},
     {"layout_record", layout_record, METH_O, "layout_record(tensors) -> list[int]"},
     {"flat_bucket", flat_bucket, METH_VARARGS,
      "flat_bucket(owners, params, views, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, steps, "
@@ -554,11 +567,6 @@ extern "C" PyObject* PyInit__C(void) {
   PyModule_AddIntConstant(m, "cuda_compiled", 1);
 #else
   PyModule_AddIntConstant(m, "cuda_compiled", 0);
-#endif
-#if defined(CPU_CAPABILITY_AVX2)
-  PyModule_AddStringConstant(m, "cpu_isa", "avx2");
-#else
-  PyModule_AddStringConstant(m, "cpu_isa", "default");
 #endif
   PyModule_AddIntConstant(m, "stats_chunk", ruda::kStatsChunk);
   PyModule_AddIntConstant(m, "merge_fan_in", ruda::kMergeFanIn);

@@ -9,11 +9,12 @@
   (imported explicitly).
 - ``ruda_torch.amp.GradScaler``: ``torch.amp.GradScaler`` whose ``step`` takes the
   non-finite check from the optimizer's statistics instead of a pass of its own.
-- ``ruda_torch.compiled_backends()``: which kernels this build contains.
+- ``ruda_torch.compiled_backends()``: which kernels this build contains;
+  ``ruda_torch.cpu_capability()``: the vector ISA of the CPU kernels in use.
 """
 
 from . import amp, ops
-from ._build import compiled_backends
+from ._build import compiled_backends, cpu_capability
 from .functional import AdamWOptions, AdamWState, StepControl, StepResult, adamw_step
 from .optimizer import AdamW, GradientReport
 from .stats_plan import StatsPlan
@@ -31,5 +32,6 @@ __all__ = [
     "adamw_step",
     "amp",
     "compiled_backends",
+    "cpu_capability",
     "ops",
 ]

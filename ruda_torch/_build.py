@@ -1,9 +1,73 @@
-"""Facts about the compiled extension: which backends exist, and the error for the rest."""
+"""Facts about the compiled extension: which backends exist, and the error for the rest;
+and the choice of the CPU kernels' ISA build (Note [CPU ISA at run time] in
+csrc/cpu/dispatch.cpp)."""
+
+import importlib
+import os
+import warnings
 
 from . import _C  # noqa: F401  (importing runs the operator registrations)
 
 CUDA_COMPILED: bool = bool(_C.cuda_compiled)
-CPU_ISA: str = _C.cpu_isa
+CPU_ISA_ORDER = ("default", "avx2", "avx512")
+# ISA_ENV, else torch's own variable, names the CPU kernels' ISA (lower: for a check).
+ISA_ENV = "RUDA_TORCH_CPU_CAPABILITY"
+
+
+def _built_isas() -> tuple[str, ...]:
+    built = []
+    for isa in CPU_ISA_ORDER:
+        try:
+            importlib.import_module(f"{__package__}._cpu_{isa}")
+        except ImportError:
+            continue
+        built.append(isa)
+    return tuple(built)
+
+
+def choose_cpu_isa(requested: str | None, built, supported) -> tuple[str, str | None]:
+    """(the ISA build to use, a warning or None): the best build this CPU runs, no better
+    than ``requested`` (a name of CPU_ISA_ORDER, any case; None: no limit)."""
+    if requested is not None:
+        want = requested.strip().lower()
+        if want not in CPU_ISA_ORDER:
+            raise ValueError(
+                f"{ISA_ENV} (or ATEN_CPU_CAPABILITY) must be one of "
+                f"{', '.join(CPU_ISA_ORDER)}, got {requested!r}"
+            )
+    else:
+        want = CPU_ISA_ORDER[-1]
+    limit = CPU_ISA_ORDER.index(want)
+    usable = [i for i in CPU_ISA_ORDER[: limit + 1] if i in built and i in supported]
+    if not usable:
+        raise ImportError(
+            "ruda_torch: no build of the CPU kernels can run here (built: "
+            f"{', '.join(built) or 'none'}; this CPU runs: {', '.join(supported)}); rebuild "
+            "the package (docs/building.md)"
+        )
+    chosen = usable[-1]
+    note = None
+    if requested is not None and chosen != want:
+        why = "this CPU does not run it" if want not in supported else "it was not built"
+        note = (
+            f"ruda_torch: {ISA_ENV}={requested} asked for {want} kernels, but {why}; using {chosen}"
+        )
+    return chosen, note
+
+
+def use_cpu_isa(isa: str) -> str:
+    """Install the CPU kernels of build ``isa`` (tests compare the builds' bits)."""
+    module = importlib.import_module(f"{__package__}._cpu_{isa}")
+    return _C.set_cpu_kernels(module.kernels)
+
+
+CPU_ISAS_BUILT: tuple[str, ...] = _built_isas()
+CPU_ISAS_SUPPORTED: tuple[str, ...] = tuple(_C.cpu_supports())
+_requested = os.environ.get(ISA_ENV) or os.environ.get("ATEN_CPU_CAPABILITY") or None
+CPU_ISA, _note = choose_cpu_isa(_requested, CPU_ISAS_BUILT, CPU_ISAS_SUPPORTED)
+if _note:
+    warnings.warn(_note, stacklevel=2)
+use_cpu_isa(CPU_ISA)
 STATS_CHUNK: int = _C.stats_chunk
 MERGE_FAN_IN: int = _C.merge_fan_in
 
@@ -12,6 +76,11 @@ BUILD_HINT = (
     "`RUDA_TORCH_CUDA=1 pip install --no-build-isolation -e .` "
     "(set CUDA_HOME to the toolkit root if it is not found; see docs/building.md)."
 )
+
+
+def cpu_capability() -> str:
+    """The vector ISA of the CPU kernels in use: "default", "avx2" or "avx512"."""
+    return CPU_ISA
 
 
 def compiled_backends() -> tuple[str, ...]:

@@ -10,7 +10,7 @@
 #include <type_traits>
 
 #include "adamw_math.h"
-#include "cpu/vec_load.h"
+#include "cpu/kernels/vec_load.h"
 #include "kernels.h"
 
 namespace ruda {

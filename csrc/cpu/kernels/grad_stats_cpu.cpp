@@ -9,7 +9,7 @@
 
 #include <algorithm>
 
-#include "cpu/vec_load.h"
+#include "cpu/kernels/vec_load.h"
 #include "grad_stats.h"
 #include "kernels.h"
 

@@ -1,0 +1,135 @@
+"""The CPU kernels' ISA chosen at run time (Note [CPU ISA at run time] in
+csrc/cpu/dispatch.cpp): every build this machine runs gives the bits of the portable
+(default) build, for the update of every parameter and gradient dtype, the statistics
+(non-finite values included) and the merges; the choice follows this CPU and the
+environment variables, and is reported.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from test_stats import random_grad, run_analyze, run_merge
+
+import ruda_torch
+from ruda_torch import _build
+
+RUNNABLE = [i for i in _build.CPU_ISAS_BUILT if i in _build.CPU_ISAS_SUPPORTED]
+SIZES = [97, 1025, 65537, 0, 3 * 16384 + 5]
+
+
+@pytest.fixture
+def restore_isa():
+    yield
+    _build.use_cpu_isa(_build.CPU_ISA)
+
+
+def _train(kind: str) -> list[torch.Tensor]:
+    """Every tensor a few steps of one configuration produce (parameters, state, report)."""
+    gen = torch.Generator().manual_seed(17)
+    pdtype = {"fp32": torch.float32, "fp64": torch.float64}.get(kind, torch.bfloat16)
+    params = [torch.nn.Parameter(torch.randn(n, generator=gen).to(pdtype)) for n in SIZES]
+    kw = dict(lr=1e-2, eps=1e-8, weight_decay=1e-2, fused_step=True)
+    if kind == "fp32":
+        kw.update(amsgrad=True, hierarchical_stats=True, max_grad_norm=0.5)
+    elif kind == "bf16-master":
+        kw.update(master_weights=True)
+    elif kind == "bf16-sr":
+        kw.update(stochastic_rounding=True, rounding_seed=3)
+    opt = ruda_torch.AdamW(params, **kw)
+    mixed = kind == "fp32" and hasattr(params[0], "grad_dtype")  # FP16 gradients (torch >= 2.14)
+    if mixed:
+        for p in params:
+            p.grad_dtype = None
+    out = []
+    for step in range(3):
+        for p in params:
+            gdtype = torch.float16 if mixed and step == 1 else p.dtype
+            p.grad = (torch.randn(p.shape, generator=gen) * 3).to(gdtype)
+        opt.step()
+        out += [p.detach().clone() for p in params]
+        out += [v.clone() for p in params for v in opt.state[p].values()]
+        if opt.last_report is not None:
+            out.append(opt.last_report.tensor.clone())
+    return out
+
+
+def _stats_inputs() -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(23)
+    out = []
+    for dtype in (torch.float32, torch.float16, torch.bfloat16):
+        grads = [random_grad(gen, n, dtype) for n in SIZES]
+        grads[1][5] = float("inf")
+        grads[2][70000 % grads[2].numel()] = float("nan")
+        for scale in (None, 1024.0):
+            rows = run_analyze(grads, scale)
+            out += [rows, run_merge(rows)]
+    chunks = torch.randn(7, 3, generator=gen).abs()
+    merged = torch.empty(3)
+    ruda_torch.ops.merge_gradient_stats_chunks(chunks, merged)
+    return out + [merged]
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    t = t.detach().contiguous()
+    return t.view(torch.int64 if t.element_size() == 8 else torch.int32 if
+                  t.element_size() == 4 else torch.int16)  # fmt: skip
+
+
+@pytest.mark.parametrize("isa", RUNNABLE)
+def test_every_isa_build_gives_the_default_bits(isa, restore_isa):
+    results = {}
+    for build in dict.fromkeys(["default", isa]):
+        assert _build.use_cpu_isa(build) == build
+        results[build] = [_train(k) for k in ("fp32", "fp64", "bf16-master", "bf16-sr")]
+        results[build].append(_stats_inputs())
+    for got_set, want_set in zip(results[isa], results["default"], strict=True):
+        for j, (got, want) in enumerate(zip(got_set, want_set, strict=True)):
+            assert got.dtype == want.dtype and got.shape == want.shape
+            assert torch.equal(_bits(got), _bits(want)), f"{isa}: tensor {j} differs"
+
+
+def test_the_best_build_this_cpu_runs_is_chosen():
+    assert ruda_torch.cpu_capability() == _build.CPU_ISA
+    if not any(k in os.environ for k in (_build.ISA_ENV, "ATEN_CPU_CAPABILITY")):
+        assert _build.CPU_ISA == RUNNABLE[-1]
+    assert "default" in _build.CPU_ISAS_BUILT and "default" in _build.CPU_ISAS_SUPPORTED
+
+
+@pytest.mark.parametrize(
+    "requested,built,supported,chosen,warns",
+    [
+        (None, ("default", "avx2", "avx512"), ("default", "avx2"), "avx2", False),
+        ("DEFAULT", ("default", "avx2"), ("default", "avx2"), "default", False),
+        ("avx512", ("default", "avx2", "avx512"), ("default", "avx2"), "avx2", True),
+        ("avx512", ("default", "avx2"), ("default", "avx2", "avx512"), "avx2", True),
+        (None, ("default",), ("default", "avx2", "avx512"), "default", False),
+    ],
+)
+def test_choice_rules(requested, built, supported, chosen, warns):
+    got, note = _build.choose_cpu_isa(requested, built, supported)
+    assert got == chosen
+    assert (note is not None) == warns
+    if warns:
+        assert _build.ISA_ENV in note and chosen in note
+
+
+def test_unknown_request_is_an_error_that_names_the_variable():
+    with pytest.raises(ValueError, match="RUDA_TORCH_CPU_CAPABILITY.*default, avx2, avx512"):
+        _build.choose_cpu_isa("sse9", ("default",), ("default",))
+
+
+@pytest.mark.parametrize("variable", [_build.ISA_ENV, "ATEN_CPU_CAPABILITY"])
+def test_environment_selects_the_build(variable):
+    env = {k: v for k, v in os.environ.items() if k not in (_build.ISA_ENV, "ATEN_CPU_CAPABILITY")}
+    env[variable] = "default"
+    run = subprocess.run(
+        [sys.executable, "-c", "import ruda_torch; print(ruda_torch.cpu_capability())"],
+        capture_output=True, text=True, env=env, timeout=300,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip() == "default"
