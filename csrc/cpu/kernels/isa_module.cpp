@@ -17,9 +17,12 @@
 namespace {
 
 const ruda::CpuKernels kKernels = {
-    ruda::kCpuKernelsAbi,           RUDA_ISA,
-    &ruda::adamw_cpu,               &ruda::analyze_gradient_cpu,
-    &ruda::merge_gradient_stats_cpu, &ruda::merge_gradient_stats_chunks_cpu,
+    ruda::kCpuKernelsAbi,
+    RUDA_ISA,
+    &ruda::adamw_cpu,
+    &ruda::analyze_gradient_cpu,
+    &ruda::merge_gradient_stats_cpu,
+    &ruda::merge_gradient_stats_chunks_cpu,
 };
 
 }  // namespace
