@@ -493,9 +493,23 @@ class AdamW(Optimizer):
         zeros in one pass; with ``set_to_none`` a parameter whose view backward does not
         write before the next step counts as having no gradient, and is not stepped
         (docs/usage.md, Note [Flat gradient buckets])."""
+        if not any(g.get("fused_step") and g.get("flat_grads") for g in self.param_groups):
+            super().zero_grad(set_to_none)  # torch's, exactly
+            return
+        self._zero_grad_flat(set_to_none)
+
+    # Host orchestration around C loops, like the step (Note [Steps under torch.compile]).
+    @torch.compiler.disable
+    def _zero_grad_flat(self, set_to_none: bool) -> None:
         flat = set()
+        try:
+            buckets = self._flat_buckets()
+        except (ValueError, RuntimeError):
+            # The state or the groups are not valid for a step (the step says why): reset
+            # these gradients as torch would, and let the step raise.
+            buckets = []
         with torch.no_grad():
-            for b in self._flat_buckets():
+            for b in buckets:
                 b.zero_grads(set_to_none)
                 flat.update(map(id, b.params))
         foreach = self.defaults.get("foreach", False) or self.defaults.get("fused", False)

@@ -117,3 +117,31 @@ def test_compiled_train_step_without_scheduler_breaks_once_for_the_step():
         train_step()
     ours = _ruda_breaks()
     assert len(ours) == 1 and "AdamW._step" in ours[0], ours
+
+
+def test_flat_grads_under_compile_keep_eager_bits_and_views():
+    """flat_grads=True: zero_grad (excluded from tracing like the step) and the step in a
+    compiled training function; the gradients stay the flat buffer's views, and
+    torch.compile(opt.step) gives the bits of the eager flat step."""
+
+    def run(compiled: bool):
+        torch._dynamo.reset()
+        counters.clear()
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 8))
+        opt = ruda_torch.AdamW(model.parameters(), lr=1e-3, eps=1e-8, weight_decay=1e-2,
+                               fused_step=True, flat_grads=True)  # fmt: skip
+        x = torch.randn(4, 16, generator=torch.Generator().manual_seed(1))
+        opt_step = torch.compile(opt.step) if compiled else opt.step
+        views = [p.grad for p in model.parameters()]
+        for _ in range(10):
+            opt.zero_grad()
+            model(x).square().sum().backward()
+            opt_step()
+        assert all(p.grad is v for p, v in zip(model.parameters(), views, strict=True))
+        return model, _ruda_breaks()
+
+    (compiled, ours), (eager, _) = run(True), run(False)
+    for a, b in zip(compiled.parameters(), eager.parameters(), strict=True):
+        assert_bitwise(a, b, "flat_grads: torch.compile(opt.step) vs eager")
+    assert len(ours) == 1 and "AdamW._step" in ours[0], ours

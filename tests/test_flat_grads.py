@@ -431,3 +431,26 @@ def test_meta_parameters_get_views_when_materialized():
             o.step()
         assert torch.equal(model.weight, twin.weight)
     assert views_installed(opt)
+
+
+def test_invalid_state_zero_grad_resets_and_the_step_refuses():
+    """zero_grad() never raises for a state the step will reject (as torch's does not);
+    the step then raises before writing anything, and a valid state works again."""
+    mf, mn, flat, plain = _pair()
+    train_step(mf, flat, 1)
+    train_step(mn, plain, 1)
+    saved = flat.state[mf.fc1.weight]
+    flat.state[mf.fc1.weight] = {"step": torch.tensor(1.0), "exp_avg": "not a tensor"}
+    flat.zero_grad()
+    mf.loss(batch(2), True).backward()
+    before = [p.detach().clone() for p in mf.parameters()]
+    with pytest.raises(ValueError, match="exp_avg"):
+        flat.step()
+    assert all(torch.equal(a, b) for a, b in zip(before, mf.parameters(), strict=True))
+    flat.state[mf.fc1.weight] = saved
+    flat.step()
+    plain.zero_grad()
+    mn.loss(batch(2), True).backward()
+    plain.step()
+    assert_same(flat, plain)
+    assert views_installed(flat)
