@@ -346,15 +346,6 @@ bool flat_view_moved(const FlatBucket& fb, size_t i) {
   return e.numel > 0 && fb.views[i].const_data_ptr() != e.grad;
 }
 
-bool flat_bucket_current(const FlatBucket& fb) {
-  for (size_t i = 0; i < fb.table.size(); ++i) {
-    const TensorEntry& e = fb.table[i];
-    if (e.numel == 0) continue;  // no memory to move
-    if (fb.params[i].data_ptr() != e.param || flat_view_moved(fb, i)) return false;
-  }
-  return true;
-}
-
 void flat_bucket_select(FlatBucket& fb, const std::vector<int64_t>* active) {
   if (active == nullptr) {
     if (fb.all_active) return;

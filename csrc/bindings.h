@@ -99,9 +99,6 @@ std::unique_ptr<FlatBucket> make_flat_bucket(
     const std::optional<at::Tensor>& max_exp_avg_sq, const at::Tensor& steps,
     const at::Tensor& slots, const std::optional<at::Tensor>& master);
 
-// Whether every parameter's and view's memory is still where the table says.
-bool flat_bucket_current(const FlatBucket& fb);
-
 // Whether parameter i's memory is where the table says.
 bool flat_param_current(const FlatBucket& fb, size_t i);
 

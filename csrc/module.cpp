@@ -462,6 +462,7 @@ PyObject* flat_mark(PyObject*, PyObject* args) {
   END_HANDLE_TH_ERRORS
 }
 
+// Precondition: flat_check() found the handle current in the same step.
 // flat_step(handle, active, validate_only, amsgrad, lr, lr_tensor, beta1, beta2, eps, weight_decay,
 // maximize, grad_scale, found_inf, stats, max_grad_norm, clip_coef, rounding, seed):
 // one update of the bucket's parameters listed in `active` (ascending indices; None: all),
@@ -499,8 +500,8 @@ PyObject* flat_step(PyObject*, PyObject* args) {
       active.push_back(v);
     }
   }
-  TORCH_CHECK(ruda::flat_bucket_current(*fb),
-              "ruda_torch.flat_step: a parameter's memory moved since the handle was made");
+  // The caller checked the addresses with flat_check() in this step, before anything of
+  // the step ran (Note [Flat gradient buckets]): a second pass here would cost as much.
   // Validation needs the subset's size only; selecting it first is not a write.
   ruda::flat_bucket_select(*fb, active_obj == Py_None ? nullptr : &active);
   ruda::AdamWLaunch launch = ruda::prepare_flat_step(
