@@ -346,9 +346,40 @@ bool flat_view_moved(const FlatBucket& fb, size_t i) {
   return e.numel > 0 && fb.views[i].const_data_ptr() != e.grad;
 }
 
+PreparedStats prepare_flat_analyze(const FlatBucket& fb, int64_t lo, int64_t hi,
+                                   const std::optional<at::Tensor>& grad_scale,
+                                   const at::Tensor& rows) {
+  const char* op = "analyze_gradient";
+  const int64_t n = static_cast<int64_t>(fb.active.size());
+  TORCH_CHECK(0 <= lo && lo <= hi && hi <= n, "ruda_torch.", op, ": piece [", lo, ", ", hi,
+              ") is outside the ", n, " selected parameters");
+  const at::ScalarType gdtype = fb.grad.scalar_type();
+  TORCH_CHECK(gdtype == at::kFloat || is_16bit(gdtype), "ruda_torch.", op,
+              ": gradients must be float32, float16 or bfloat16 (got ", dtype_name(gdtype), ")");
+  PreparedStats prep;
+  prep.table.resize(hi - lo);
+  int64_t n_rows = 0;
+  for (int64_t i = lo; i < hi; ++i) {
+    TensorEntry& e = prep.table[i - lo];
+    e = {nullptr, fb.active[i].grad, fb.active[i].numel, 0, 0, n_rows};
+    n_rows += stats_rows_for(e.numel);
+  }
+  check_scalar_fp32(op, grad_scale, "grad_scale", 1, fb.device);
+  TORCH_CHECK(rows.scalar_type() == at::kFloat && rows.is_contiguous() && rows.dim() == 2 &&
+                  rows.size(0) == n_rows && rows.size(1) == kStatsWidth,
+              "ruda_torch.", op, ": rows must be a contiguous float32 tensor of shape [", n_rows,
+              ", ", kStatsWidth, "] (got ", rows.scalar_type(), " ", shape_str(rows), ")");
+  check_same_device(op, rows, "rows", fb.device);
+  check_no_aliasing(op, {span_of(rows, "rows")}, {span_of(fb.grad, "grad")});
+  prep.launch = {
+      nullptr, hi - lo, n_rows, dtype_of(gdtype), ptr_or_null(grad_scale), rows.data_ptr<float>()};
+  return prep;
+}
+
 void flat_bucket_select(FlatBucket& fb, const std::vector<int64_t>* active) {
   if (active == nullptr) {
     if (fb.all_active) return;
+    fb.stats_pieces.clear();
     fb.active = fb.table;
     fb.active_ids.clear();
     fb.all_active = true;
@@ -356,6 +387,7 @@ void flat_bucket_select(FlatBucket& fb, const std::vector<int64_t>* active) {
     return;
   }
   if (!fb.all_active && *active == fb.active_ids) return;
+  fb.stats_pieces.clear();
   const int64_t n = static_cast<int64_t>(fb.table.size());
   fb.active.clear();
   fb.active.reserve(active->size());

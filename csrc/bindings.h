@@ -89,6 +89,12 @@ struct FlatBucket {
   // an equal count spares a step the address of every view (the proxy of Note [Fused
   // state coherence] for state views).
   size_t grad_sharers = 0;
+  // Statistics of the selected subset, one piece [lo, hi) of it at a time (CUDA): the
+  // pieces partition the subset, so their tables fit one buffer of an entry per
+  // parameter, piece [lo, hi) at entry lo, allocated once and rewritten in place (as
+  // device_table) for the pieces listed in stats_pieces since the subset last changed.
+  at::Tensor stats_device_table;
+  std::vector<std::pair<int64_t, int64_t>> stats_pieces;
 };
 
 // Validates everything prepare_adamw does for the bucket (with `views` as the gradients)
@@ -122,7 +128,17 @@ AdamWLaunch prepare_flat_step(const FlatBucket& fb, bool amsgrad,
                               bool maximize, const std::optional<at::Tensor>& lr_tensor,
                               int64_t rounding, int64_t seed);
 
+// The statistics launch of the selected parameters lo .. hi-1 into `rows` (one row per
+// kStatsChunk elements of each, as analyze_gradient), validated as analyze_gradient
+// validates; the table is returned in `prep` for the backend to place.
+PreparedStats prepare_flat_analyze(const FlatBucket& fb, int64_t lo, int64_t hi,
+                                   const std::optional<at::Tensor>& grad_scale,
+                                   const at::Tensor& rows);
+
 #ifdef RUDA_TORCH_WITH_CUDA
+// Places a statistics piece's table in device memory once per subset and enqueues it.
+void launch_flat_analyze_cuda(FlatBucket& fb, int64_t lo, int64_t hi, PreparedStats& prep);
+
 // Places the selected table in device memory when it changed (csrc/cuda/ops_cuda.cpp)
 // and enqueues the update on the current stream.
 void launch_flat_cuda(FlatBucket& fb, AdamWLaunch launch);

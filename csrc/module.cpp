@@ -462,6 +462,66 @@ PyObject* flat_mark(PyObject*, PyObject* args) {
   END_HANDLE_TH_ERRORS
 }
 
+// Makes `active_obj` (a list of ascending parameter indices, or None for all) the
+// handle's selected subset; false with a Python error set for another object.
+bool select_active(ruda::FlatBucket& fb, PyObject* active_obj) {
+  if (active_obj == Py_None) {
+    ruda::flat_bucket_select(fb, nullptr);
+    return true;
+  }
+  if (!PyList_Check(active_obj)) {
+    PyErr_SetString(PyExc_TypeError, "active must be a list of int or None");
+    return false;
+  }
+  std::vector<int64_t> active;
+  const Py_ssize_t k = PyList_GET_SIZE(active_obj);
+  active.reserve(k);
+  for (Py_ssize_t j = 0; j < k; ++j) {
+    const long long v = PyLong_AsLongLong(PyList_GET_ITEM(active_obj, j));
+    if (v == -1 && PyErr_Occurred()) return false;
+    active.push_back(v);
+  }
+  ruda::flat_bucket_select(fb, &active);
+  return true;
+}
+
+// flat_analyze(handle, active, lo, hi, grad_scale, rows): analyze_gradient over the
+// gradients of the selected parameters lo .. hi-1 (one statistics piece), the table
+// kept on the device (csrc/bindings.h). Same precondition as flat_step.
+PyObject* flat_analyze(PyObject*, PyObject* args) {
+  HANDLE_TH_ERRORS
+  PyObject *handle, *active_obj, *grad_scale, *rows;
+  long long lo, hi;
+  if (!PyArg_ParseTuple(args, "OOLLOO", &handle, &active_obj, &lo, &hi, &grad_scale, &rows)) {
+    return nullptr;
+  }
+  ruda::FlatBucket* fb = flat_of(handle);
+  if (fb == nullptr || !tensor_or_none(grad_scale, "flat_analyze: grad_scale")) return nullptr;
+  if (!THPVariable_Check(rows)) {
+    PyErr_SetString(PyExc_TypeError, "flat_analyze: rows must be a tensor");
+    return nullptr;
+  }
+  if (!select_active(*fb, active_obj)) return nullptr;
+  ruda::PreparedStats prep = ruda::prepare_flat_analyze(*fb, lo, hi, optional_tensor(grad_scale),
+                                                        THPVariable_Unpack(rows));
+  if (prep.launch.n_rows == 0) Py_RETURN_NONE;
+  {
+    const ReleasedGil no_gil;
+    if (fb->device.is_cpu()) {
+      prep.launch.table = prep.table.data();
+      ruda::analyze_gradient_cpu(prep.launch);
+    } else {
+#ifdef RUDA_TORCH_WITH_CUDA
+      ruda::launch_flat_analyze_cuda(*fb, lo, hi, prep);
+#else
+      TORCH_CHECK(false, "ruda_torch.flat_analyze: CUDA tensors in a build without CUDA kernels");
+#endif
+    }
+  }
+  Py_RETURN_NONE;
+  END_HANDLE_TH_ERRORS
+}
+
 // Precondition: flat_check() found the handle current in the same step.
 // flat_step(handle, active, validate_only, amsgrad, lr, lr_tensor, beta1, beta2, eps, weight_decay,
 // maximize, grad_scale, found_inf, stats, max_grad_norm, clip_coef, rounding, seed):
@@ -486,24 +546,10 @@ PyObject* flat_step(PyObject*, PyObject* args) {
       return nullptr;
     }
   }
-  std::vector<int64_t> active;
-  if (active_obj != Py_None) {
-    if (!PyList_Check(active_obj)) {
-      PyErr_SetString(PyExc_TypeError, "flat_step: active must be a list of int or None");
-      return nullptr;
-    }
-    const Py_ssize_t k = PyList_GET_SIZE(active_obj);
-    active.reserve(k);
-    for (Py_ssize_t j = 0; j < k; ++j) {
-      const long long v = PyLong_AsLongLong(PyList_GET_ITEM(active_obj, j));
-      if (v == -1 && PyErr_Occurred()) return nullptr;
-      active.push_back(v);
-    }
-  }
   // The caller checked the addresses with flat_check() in this step, before anything of
   // the step ran (Note [Flat gradient buckets]): a second pass here would cost as much.
   // Validation needs the subset's size only; selecting it first is not a write.
-  ruda::flat_bucket_select(*fb, active_obj == Py_None ? nullptr : &active);
+  if (!select_active(*fb, active_obj)) return nullptr;
   ruda::AdamWLaunch launch = ruda::prepare_flat_step(
       *fb, amsgrad != 0, optional_tensor(grad_scale), optional_tensor(found_inf),
       optional_tensor(stats), optional_tensor(clip_coef), lr, beta1, beta2, eps, weight_decay,
@@ -552,6 +598,8 @@ PyMethodDef kMethods[] = {
     {"flat_check", flat_check, METH_VARARGS,
      "flat_check(handle, clean) -> (current, broken, inactive)"},
     {"flat_mark", flat_mark, METH_VARARGS, "flat_mark(handle, clean, unwritten) -> None"},
+    {"flat_analyze", flat_analyze, METH_VARARGS,
+     "flat_analyze(handle, active, lo, hi, grad_scale, rows) -> None"},
     {"flat_step", flat_step, METH_VARARGS,
      "flat_step(handle, active, validate_only, amsgrad, lr, lr_tensor, beta1, beta2, eps, "
      "weight_decay, maximize, grad_scale, found_inf, stats, max_grad_norm, clip_coef, "

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from . import ops
+from . import _C, ops
 from ._generic import local
 from .distributed import globalize_report, globalize_sum
 from .stats_plan import StatsPlan
@@ -56,9 +56,13 @@ def gradient_report(calls, buckets, grad_scale, per_device: PerDevice) -> torch.
         for lo, hi, n_rows in pieces:
             report = torch.empty(3, dtype=torch.float32, device=b.device)
             piece_rows = rows[row_start : row_start + n_rows]
-            ops.analyze_gradient(
-                call.grads[lo:hi], piece_rows, per_device.get(grad_scale, b.device)
-            )
+            scale = per_device.get(grad_scale, b.device)
+            if call.flat:  # the handle's table, kept on the device (Note [Flat gradient buckets])
+                every = len(call.active) == len(b.params)
+                _C.flat_analyze(b.handle(), None if every else call.active, lo, hi, scale,
+                                piece_rows)  # fmt: skip
+            else:
+                ops.analyze_gradient(call.grads[lo:hi], piece_rows, scale)
             StatsPlan(n_rows).reduce(piece_rows, scratch, report)
             row_start += n_rows
             out.append(report)

@@ -597,15 +597,17 @@ class AdamW(Optimizer):
     # of parameters with a gradient changes (refused during capture), while the gathered
     # path uploads a fresh table per call from reused pinned memory, which a replay would
     # read stale: so a captured step needs flat_grads=True in every fused group. The
-    # statistics pass and the tensor-op norm still upload tables and reduce through
-    # per-call buffers, so they are refused too. Capture after a few eager steps (the
-    # first one creates the state), as torch's own capturable optimizers require.
+    # statistics of a flat bucket keep their tables on the device the same way, so
+    # hierarchical_stats (with max_grad_norm: skip and clip decided on the device) is
+    # capturable; the tensor-op norm of max_grad_norm alone is not supported under capture.
+    # Capture after a few eager steps (the first one creates the state and places the
+    # tables), as torch's own capturable optimizers require.
     def _check_capturable(self, calls, generic) -> None:
         def refuse(what: str) -> None:
             raise RuntimeError(
                 f"ruda_torch.AdamW.step() is being captured in a CUDA graph, but {what}. A "
                 "capturable step needs fused_step=True and flat_grads=True in every group "
-                "with CUDA parameters, without hierarchical_stats or max_grad_norm, after at "
+                "with CUDA parameters (clipping through hierarchical_stats=True), after at "
                 "least one eager step (Note [Capturing a step in a CUDA graph])"
             )
 
@@ -617,8 +619,8 @@ class AdamW(Optimizer):
                 refuse(f"param group {c.gi} has parameters without state yet")
         if generic:
             refuse("a group has fused_step=False")
-        if self.hierarchical_stats or self.max_grad_norm is not None:
-            refuse("hierarchical_stats or max_grad_norm is set")
+        if self.max_grad_norm is not None and not self.hierarchical_stats:
+            refuse("max_grad_norm is set without hierarchical_stats=True (the tensor-op norm)")
 
     # ------------------------------------------------------------------ internals
     def _current_plan(self) -> _fused.FusedPlan:

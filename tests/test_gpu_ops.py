@@ -703,11 +703,15 @@ def test_flat_grads_cuda_match_cpu_bitwise():
         assert same_bits(a.detach(), b.detach().cpu())
 
 
-def test_flat_step_replays_in_a_cuda_graph_bit_for_bit():
+@pytest.mark.parametrize(
+    "options", [{}, dict(hierarchical_stats=True, max_grad_norm=0.5)], ids=["bare", "clipped"]
+)
+def test_flat_step_replays_in_a_cuda_graph_bit_for_bit(options):
     """Note [Capturing a step in a CUDA graph]: a captured step replayed with new
     gradients in the views, a Tensor lr decayed between steps and found_inf set on one
-    step gives the bits of eager steps, the skipped step skipped under replay too."""
-    (pe, eager, lr_e), (pg, graphed, lr_g) = _flat_pair()
+    step gives the bits of eager steps, the skipped step skipped under replay too; with
+    statistics, the report and the clip are the eager ones at every replay."""
+    (pe, eager, lr_e), (pg, graphed, lr_g) = _flat_pair(**options)
     found = [torch.zeros(1, device="cuda") for _ in range(2)]
     scale = [torch.ones(1, device="cuda") for _ in range(2)]
     for opt, f, s in ((eager, found[0], scale[0]), (graphed, found[1], scale[1])):
@@ -737,6 +741,8 @@ def test_flat_step_replays_in_a_cuda_graph_bit_for_bit():
             assert same_bits(a.detach(), b.detach()), f"step {step} parameter {j}"
             for key, value in eager.state[a].items():
                 assert same_bits(value, graphed.state[b][key]), f"step {step} {j} {key}"
+        if options:
+            assert same_bits(eager.last_report.tensor, graphed.last_report.tensor)
     assert graphed.state[pg[0]]["step"].item() == 2 + 6  # 7 replays, one skipped
 
 

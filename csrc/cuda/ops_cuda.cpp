@@ -10,6 +10,7 @@
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cstring>
 
 #include "bindings.h"
@@ -105,6 +106,31 @@ void launch_flat_cuda(FlatBucket& fb, AdamWLaunch launch) {
   }
   launch.table = reinterpret_cast<const TensorEntry*>(fb.device_table.data_ptr<int64_t>());
   adamw_cuda(launch, stream.stream());
+}
+
+void launch_flat_analyze_cuda(FlatBucket& fb, int64_t lo, int64_t hi, PreparedStats& prep) {
+  if (prep.launch.n_rows == 0) return;
+  const c10::cuda::CUDAGuard guard(fb.device);
+  const auto stream = c10::cuda::getCurrentCUDAStream();
+  const std::pair<int64_t, int64_t> key{lo, hi};
+  if (!fb.stats_device_table.defined()) {
+    fb.stats_device_table = at::empty({static_cast<int64_t>(fb.table.size()) * 6},
+                                      at::TensorOptions().dtype(at::kLong).device(fb.device));
+  }
+  at::Tensor slot = fb.stats_device_table.narrow(0, lo * 6, (hi - lo) * 6);
+  if (std::find(fb.stats_pieces.begin(), fb.stats_pieces.end(), key) == fb.stats_pieces.end()) {
+    // once per subset and piece; refused while capturing
+    cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
+    C10_CUDA_CHECK(cudaStreamIsCapturing(stream.stream(), &capturing));
+    TORCH_CHECK(capturing == cudaStreamCaptureStatusNone,
+                "ruda_torch.AdamW: the statistics of a set of parameters with a gradient "
+                "not seen in an eager step are being captured in a CUDA graph; capture a step "
+                "in which the same parameters have gradients as in the eager steps before it");
+    slot.copy_(upload_table(prep.table, fb.device), /*non_blocking=*/true);
+    fb.stats_pieces.push_back(key);
+  }
+  prep.launch.table = reinterpret_cast<const TensorEntry*>(slot.data_ptr<int64_t>());
+  analyze_gradient_cuda(prep.launch, stream.stream());
 }
 
 }  // namespace ruda
