@@ -17,34 +17,20 @@ build's and torch's.
 from __future__ import annotations
 
 import argparse
-import os
-import platform
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 
-import ruda_torch
-from ruda_torch import _build, ops
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_adamw import environment, parse_elements  # noqa: E402
+
+import ruda_torch  # noqa: E402
+from ruda_torch import _build, ops  # noqa: E402
 
 HYPER = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2)
-
-
-def parse_elements(text: str) -> int:
-    text = text.strip().upper()
-    scale = {"K": 10**3, "M": 10**6, "G": 10**9}.get(text[-1:], 1)
-    return int(float(text[:-1] if scale > 1 else text) * scale)
-
-
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def make_params(n: int, tensors: int, dtype: torch.dtype, seed: int):
@@ -73,9 +59,13 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    n = parse_elements(args.elements)
+    sizes = parse_elements(args.elements)
+    if len(sizes) != 1:
+        p.error("--elements takes one count here (e.g. 20M)")
+    n = sizes[0]
     isas = [i for i in _build.CPU_ISAS_BUILT if i in _build.CPU_ISAS_SUPPORTED]
-    print(f"CPU: {cpu_model()} ({os.cpu_count()} logical CPUs, {torch.get_num_threads()} "
+    env = environment(torch.device("cpu"))
+    print(f"CPU: {env.get('cpu_model')} ({env['cpu_count']} logical CPUs, {env['torch_threads']} "
           f"threads); torch {torch.__version__}; builds run here: {', '.join(isas)}; "
           f"built: {', '.join(_build.CPU_ISAS_BUILT)}")  # fmt: skip
     print(f"{n:,} elements in {args.tensors} tensors, {args.samples} samples x "

@@ -28,31 +28,23 @@ from __future__ import annotations
 
 import argparse
 import copy
-import os
-import platform
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 from torch import nn
 
-import ruda_torch
-from ruda_torch import ops
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_adamw import environment  # noqa: E402
+
+import ruda_torch  # noqa: E402
+from ruda_torch import ops  # noqa: E402
 
 HYPER = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2)
 MAX_NORM = 1.0
 MODELS = {"tiny": (2000, 32), "many": (512, 128), "wide": (8, 1024)}
-
-
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def make_model(layers: int, width: int) -> nn.Module:
@@ -109,7 +101,8 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    print(f"CPU: {cpu_model()} ({os.cpu_count()} logical CPUs, {torch.get_num_threads()} "
+    env = environment(torch.device("cpu"))
+    print(f"CPU: {env.get('cpu_model')} ({env['cpu_count']} logical CPUs, {env['torch_threads']} "
           f"threads, kernels {ruda_torch.cpu_capability()}); torch {torch.__version__}")  # fmt: skip
     names = ["torch", "ours", "ours_flat", "ours_hooks"]
     for model_name in args.models.split(","):

@@ -84,24 +84,39 @@ void merge_gradient_stats_chunks_cuda_op(const at::Tensor& reports, const at::Te
 // graph that captured a step reads the current table at every replay. A change of the
 // subset while a stream captures is refused: the copy would be recorded from a host
 // buffer that is reused.
+namespace {
+
+// A flat bucket's table buffer on the device: an entry per parameter, allocated once.
+void ensure_table(at::Tensor& table, const FlatBucket& fb) {
+  if (!table.defined()) {
+    table = at::empty({static_cast<int64_t>(fb.table.size()) * 6},
+                      at::TensorOptions().dtype(at::kLong).device(fb.device));
+  }
+}
+
+// Writes `entries` into `slot` of a table buffer, refused while `stream` captures.
+void rewrite_table(const at::Tensor& slot, const std::vector<TensorEntry>& entries,
+                   const FlatBucket& fb, cudaStream_t stream) {
+  cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
+  C10_CUDA_CHECK(cudaStreamIsCapturing(stream, &capturing));
+  TORCH_CHECK(capturing == cudaStreamCaptureStatusNone,
+              "ruda_torch.AdamW: the set of parameters with a gradient differs from the eager "
+              "steps' while a CUDA graph captures the step; capture a step in which the same "
+              "parameters have gradients as in the eager steps before it");
+  slot.copy_(upload_table(entries, fb.device), /*non_blocking=*/true);
+}
+
+}  // namespace
+
 void launch_flat_cuda(FlatBucket& fb, AdamWLaunch launch) {
   if (fb.active.empty()) return;
   const c10::cuda::CUDAGuard guard(fb.device);
   const auto stream = c10::cuda::getCurrentCUDAStream();
-  if (!fb.device_table.defined()) {
-    fb.device_table = at::empty({static_cast<int64_t>(fb.table.size()) * 6},
-                                at::TensorOptions().dtype(at::kLong).device(fb.device));
-    fb.device_table_current = false;
-  }
+  if (!fb.device_table.defined()) fb.device_table_current = false;
+  ensure_table(fb.device_table, fb);
   if (!fb.device_table_current) {
-    cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
-    C10_CUDA_CHECK(cudaStreamIsCapturing(stream.stream(), &capturing));
-    TORCH_CHECK(capturing == cudaStreamCaptureStatusNone,
-                "ruda_torch.AdamW: the set of parameters with a gradient changed while a CUDA "
-                "graph captures the step; capture a step in which the same parameters have "
-                "gradients as in the eager steps before it");
-    at::Tensor host = upload_table(fb.active, fb.device);
-    fb.device_table.narrow(0, 0, host.numel()).copy_(host, /*non_blocking=*/true);
+    const int64_t words = static_cast<int64_t>(fb.active.size()) * 6;
+    rewrite_table(fb.device_table.narrow(0, 0, words), fb.active, fb, stream.stream());
     fb.device_table_current = true;
   }
   launch.table = reinterpret_cast<const TensorEntry*>(fb.device_table.data_ptr<int64_t>());
@@ -113,20 +128,10 @@ void launch_flat_analyze_cuda(FlatBucket& fb, int64_t lo, int64_t hi, PreparedSt
   const c10::cuda::CUDAGuard guard(fb.device);
   const auto stream = c10::cuda::getCurrentCUDAStream();
   const std::pair<int64_t, int64_t> key{lo, hi};
-  if (!fb.stats_device_table.defined()) {
-    fb.stats_device_table = at::empty({static_cast<int64_t>(fb.table.size()) * 6},
-                                      at::TensorOptions().dtype(at::kLong).device(fb.device));
-  }
+  ensure_table(fb.stats_device_table, fb);
   at::Tensor slot = fb.stats_device_table.narrow(0, lo * 6, (hi - lo) * 6);
   if (std::find(fb.stats_pieces.begin(), fb.stats_pieces.end(), key) == fb.stats_pieces.end()) {
-    // once per subset and piece; refused while capturing
-    cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
-    C10_CUDA_CHECK(cudaStreamIsCapturing(stream.stream(), &capturing));
-    TORCH_CHECK(capturing == cudaStreamCaptureStatusNone,
-                "ruda_torch.AdamW: the statistics of a set of parameters with a gradient "
-                "not seen in an eager step are being captured in a CUDA graph; capture a step "
-                "in which the same parameters have gradients as in the eager steps before it");
-    slot.copy_(upload_table(prep.table, fb.device), /*non_blocking=*/true);
+    rewrite_table(slot, prep.table, fb, stream.stream());  // once per subset and piece
     fb.stats_pieces.push_back(key);
   }
   prep.launch.table = reinterpret_cast<const TensorEntry*>(slot.data_ptr<int64_t>());
