@@ -568,23 +568,30 @@ class AdamW(Optimizer):
     def _readopt(self, plan, readopt) -> None:
         """After a step that found flat views replaced (``model.zero_grad()``, an assigned
         ``p.grad``, DDP with ``gradient_as_bucket_view=True``, backward with
-        ``create_graph=True``): the gradients go back into the views, values kept."""
+        ``create_graph=True``): the gradients go back into the views, values kept. When
+        that happened at two steps in a row, something replaces them every iteration and
+        copying them back would only add a pass: the bucket is left with the gradients
+        where they are (stepped as with flat_grads=False) until this optimizer's
+        zero_grad() puts the views back."""
         replaced_now = {id(b) for b, _ in readopt}
         for b in plan.buckets:
             if b.flat:
                 b.replaced_in_a_row = b.replaced_in_a_row + 1 if id(b) in replaced_now else 0
         for b, replaced in readopt:
-            b.adopt_grads(replaced)
-            if b.replaced_in_a_row >= 2 and not self._flat_warned:
+            if b.replaced_in_a_row < 2:
+                b.adopt_grads(replaced)
+                continue
+            if not self._flat_warned:
                 self._flat_warned = True
                 warnings.warn(
                     f"ruda_torch.AdamW(flat_grads=True): {len(replaced)} gradient(s) of a "
                     f"bucket on {b.device} were not the flat buffer's views at two steps in a "
-                    "row, so each step copies them back into it. Something replaces the "
-                    "gradients every iteration: model.zero_grad() or zero_grad(set_to_none="
-                    "True) of another optimizer (call this optimizer's zero_grad() instead), "
-                    "DDP with gradient_as_bucket_view=True, or backward(create_graph=True). "
-                    "Remove that or pass flat_grads=False (docs/usage.md).",
+                    "row: something replaces the gradients every iteration (model.zero_grad() "
+                    "or another optimizer's zero_grad(set_to_none=True), DDP with "
+                    "gradient_as_bucket_view=True, backward(create_graph=True)). These "
+                    "gradients are stepped where they are, as with flat_grads=False, until "
+                    "this optimizer's zero_grad() puts the views back; call it instead of "
+                    "model.zero_grad(), or pass flat_grads=False (docs/usage.md).",
                     stacklevel=4,
                 )
 

@@ -234,6 +234,14 @@ def test_model_zero_grad_every_step_is_correct_and_warns_once():
             assert_same(flat, plain, f"step {step}")
     msgs = [str(w.message) for w in caught if "flat_grads=True" in str(w.message)]
     assert len(msgs) == 1 and "model.zero_grad()" in msgs[0], msgs
+    # From the second step in a row on, the gradients are left where they are (no copy
+    # back): the bucket steps as flat_grads=False would, until optimizer.zero_grad().
+    assert not views_installed(flat)
+    for step in range(6, 9):
+        for model, opt in ((mf, flat), (mn, plain)):
+            train_step(model, opt, step)
+        assert_same(flat, plain, f"step {step}")
+        assert views_installed(flat), "optimizer.zero_grad() put the views back"
 
 
 def test_moved_view_and_moved_parameter_memory():

@@ -108,3 +108,16 @@ def test_trainer_resume_from_checkpoint_is_bit_identical(tmp_path):
     second.train(resume_from_checkpoint=str(checkpoint))
     for (name, p), q in zip(model.named_parameters(), straight.parameters(), strict=True):
         assert torch.equal(p, q), f"{name}: the resumed run differs from the straight one"
+
+
+def test_trainer_with_flat_grads_gives_the_bits_of_flat_grads_false(tmp_path):
+    """The Trainer resets gradients with model.zero_grad() (None): flat_grads notices,
+    steps them where they are, warns once, and trains bit for bit as without it."""
+    plain, _ = _train(
+        tmp_path / "plain", cls_kwargs=(ruda_torch.AdamW, dict(HYPER, fused_step=True))
+    )
+    with pytest.warns(UserWarning, match="model.zero_grad"):
+        flat, _ = _train(tmp_path / "flat", cls_kwargs=(ruda_torch.AdamW,
+                         dict(HYPER, fused_step=True, flat_grads=True)))  # fmt: skip
+    for p, q in zip(flat.parameters(), plain.parameters(), strict=True):
+        assert torch.equal(p, q)
