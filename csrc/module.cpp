@@ -50,17 +50,17 @@ bool same_items(PyObject* actual, PyObject* expected, Py_ssize_t* at) {
 }
 
 // A contiguous CPU int64 tensor's data (null when empty) and size; false with a Python
-// error set for anything else.
-bool int64_data(PyObject* obj, const char* name, const int64_t** data, int64_t* numel) {
+// error set for anything else (`name` says which argument of which function).
+bool int64_data(PyObject* obj, const char* name, int64_t** data, int64_t* numel) {
   if (THPVariable_Check(obj)) {
     const at::Tensor& t = THPVariable_Unpack(obj);
     if (t.scalar_type() == at::kLong && t.is_cpu() && t.is_contiguous()) {
       *numel = t.numel();
-      *data = *numel > 0 ? t.const_data_ptr<int64_t>() : nullptr;
+      *data = *numel > 0 ? t.data_ptr<int64_t>() : nullptr;
       return true;
     }
   }
-  PyErr_Format(PyExc_TypeError, "unchanged: %s must be a contiguous CPU int64 tensor", name);
+  PyErr_Format(PyExc_TypeError, "%s must be a contiguous CPU int64 tensor", name);
   return false;
 }
 
@@ -162,11 +162,13 @@ PyObject* unchanged(PyObject*, PyObject* args) {
     return nullptr;
   }
   int64_t n_shapes = 0, n_counts = 0;
-  const int64_t *want = nullptr, *count = nullptr;
-  if (!int64_data(shapes_obj, "shapes", &want, &n_shapes) ||
-      !int64_data(counts_obj, "counts", &count, &n_counts)) {
+  int64_t *want_data = nullptr, *count_data = nullptr;
+  if (!int64_data(shapes_obj, "unchanged: shapes", &want_data, &n_shapes) ||
+      !int64_data(counts_obj, "unchanged: counts", &count_data, &n_counts)) {
     return nullptr;
   }
+  const int64_t* want = want_data;
+  const int64_t* count = count_data;
   if (n_counts != PyList_GET_SIZE(buffers)) {
     PyErr_SetString(PyExc_ValueError, "unchanged: buffers and counts differ in length");
     return nullptr;
@@ -355,17 +357,16 @@ PyObject* flat_bucket(PyObject*, PyObject* args) {
   END_HANDLE_TH_ERRORS
 }
 
-// A CPU int64 tensor of one entry per parameter of `fb`; null with a Python error set.
-int64_t* versions_of(PyObject* obj, const ruda::FlatBucket& fb) {
-  if (THPVariable_Check(obj)) {
-    const at::Tensor& t = THPVariable_Unpack(obj);
-    if (t.scalar_type() == at::kLong && t.is_cpu() && t.is_contiguous() &&
-        t.numel() == static_cast<int64_t>(fb.views.size())) {
-      return t.numel() > 0 ? t.data_ptr<int64_t>() : nullptr;
-    }
+// `clean`: a CPU int64 tensor of one entry per parameter of `fb` (its data in *data, null
+// when empty); false with a Python error set for anything else.
+bool versions_of(PyObject* obj, const ruda::FlatBucket& fb, int64_t** data) {
+  int64_t numel = 0;
+  if (!int64_data(obj, "clean", data, &numel)) return false;
+  if (numel != static_cast<int64_t>(fb.views.size())) {
+    PyErr_SetString(PyExc_ValueError, "clean must have one entry per view");
+    return false;
   }
-  PyErr_SetString(PyExc_TypeError, "clean must be a contiguous CPU int64 tensor, one per view");
-  return nullptr;
+  return true;
 }
 
 // flat_check(handle, clean) -> (current, broken, inactive). current: no parameter's
@@ -380,8 +381,8 @@ PyObject* flat_check(PyObject*, PyObject* args) {
   ruda::FlatBucket* fb = flat_of(handle);
   if (fb == nullptr) return nullptr;
   const int64_t n = static_cast<int64_t>(fb->views.size());
-  const int64_t* clean = versions_of(clean_obj, *fb);
-  if (clean == nullptr && n > 0) return nullptr;
+  int64_t* clean = nullptr;
+  if (!versions_of(clean_obj, *fb, &clean)) return nullptr;
   PyObject* broken = PyList_New(0);
   PyObject* inactive = PyList_New(0);
   if (broken == nullptr || inactive == nullptr) {
@@ -452,8 +453,8 @@ PyObject* flat_mark(PyObject*, PyObject* args) {
   ruda::FlatBucket* fb = flat_of(handle);
   if (fb == nullptr) return nullptr;
   const int64_t n = static_cast<int64_t>(fb->views.size());
-  int64_t* clean = versions_of(clean_obj, *fb);
-  if (clean == nullptr && n > 0) return nullptr;
+  int64_t* clean = nullptr;
+  if (!versions_of(clean_obj, *fb, &clean)) return nullptr;
   for (int64_t i = 0; i < n; ++i) {
     const auto version = static_cast<int64_t>(fb->views[i]._version());
     clean[i] = unwritten || clean[i] == version ? version : -1;

@@ -223,9 +223,11 @@ class Bucket:
         autograd's sense, so that it has its own version counter), laid out like the
         kernel steps the parameter: its strides when dense, contiguous when staged."""
         t = self.locals[i]
-        stride = t.stride() if i not in self.staged else _contiguous_strides(t.shape)
         view = torch.empty(0, dtype=t.dtype, device=t.device)
-        return view.set_(self.grad_flat.untyped_storage(), self.offsets[i], t.shape, stride)
+        storage, offset = self.grad_flat.untyped_storage(), self.offsets[i]
+        if i in self.staged:
+            return view.set_(storage, offset, t.shape)  # contiguous
+        return view.set_(storage, offset, t.shape, t.stride())
 
     def _grad_address(self, i: int) -> int:
         return self.grad_flat.data_ptr() + self.grad_flat.element_size() * self.offsets[i]
@@ -398,14 +400,6 @@ class Bucket:
 
 def _same(a, b) -> bool:
     return a is b
-
-
-def _contiguous_strides(shape) -> tuple[int, ...]:
-    strides, acc = [], 1
-    for n in reversed(shape):
-        strides.append(acc)
-        acc *= max(n, 1)
-    return tuple(reversed(strides))
 
 
 def is_dense(t: torch.Tensor) -> bool:

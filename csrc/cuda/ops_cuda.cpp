@@ -112,8 +112,7 @@ void launch_flat_cuda(FlatBucket& fb, AdamWLaunch launch) {
   if (fb.active.empty()) return;
   const c10::cuda::CUDAGuard guard(fb.device);
   const auto stream = c10::cuda::getCurrentCUDAStream();
-  if (!fb.device_table.defined()) fb.device_table_current = false;
-  ensure_table(fb.device_table, fb);
+  ensure_table(fb.device_table, fb);  // device_table_current starts false
   if (!fb.device_table_current) {
     const int64_t words = static_cast<int64_t>(fb.active.size()) * 6;
     rewrite_table(fb.device_table.narrow(0, 0, words), fb.active, fb, stream.stream());
