@@ -58,8 +58,8 @@ help:
 	@echo "make demo       set up and build, then train a small MLP with torch's and our AdamW"
 	@echo "make build      set up .venv and build the extension only"
 	@echo "make bench      set up and build, then run benchmarks/bench_adamw.py"
-	@echo "make test-integrations  install requirements-integrations.txt into .venv (HF"
-	@echo "                transformers, accelerate, Lightning) and run tests/integrations"
+	@echo "make test-integrations  install requirements-integrations.txt and DeepSpeed into .venv (HF"
+	@echo "                transformers, accelerate, Lightning, DeepSpeed) and run tests/integrations"
 	@echo "make test-cpu-torch  build against the CPU-only torch 2.13.0 in .venv-cpu (CPU kernels"
 	@echo "                only) and run the kernel, optimizer and distributed tests there"
 	@echo "make regressions  oracle + host suites through tools/run_adamw_regressions.py (JSON record)"
@@ -137,8 +137,12 @@ test: $(BUILD_STAMP)
 # The trainers' packages go into .venv on top of the development ones (not into
 # requirements-dev.txt: `make test` does not need them and stays smaller).
 INTEGRATIONS_STAMP := $(STAMPS)/.stamp-integrations
-$(INTEGRATIONS_STAMP): requirements-integrations.txt $(DEPS_STAMP)
-	$(PY) -m pip install -r requirements-integrations.txt
+# DeepSpeed (an sdist): built against .venv's torch, without its prebuilt ops.
+DEEPSPEED_VERSION ?= 0.19.8
+$(INTEGRATIONS_STAMP): requirements-integrations.txt requirements-deepspeed.txt $(DEPS_STAMP)
+	$(PY) -m pip install -r requirements-integrations.txt -r requirements-deepspeed.txt
+	DS_BUILD_OPS=0 $(PY) -m pip install --no-build-isolation --no-deps \
+		deepspeed==$(DEEPSPEED_VERSION)
 	@touch $@
 
 test-integrations: $(BUILD_STAMP) $(INTEGRATIONS_STAMP)

@@ -3,9 +3,10 @@
 
 Note [Buckets]
 With ``fused_step=True`` the parameters of one param group on one device with one dtype
-form a bucket: flat buffers ``exp_avg``, ``exp_avg_sq`` (and ``max_exp_avg_sq`` with
-AMSGrad; FP64 for FP64 parameters, FP32 for all others), with ``master_weights`` a flat
-FP32 ``master`` for FP16/BF16 parameters, in which every parameter owns a contiguous
+and one scope (Note [Scopes] in ruda_torch/distributed.py) form a bucket: flat buffers
+``exp_avg``, ``exp_avg_sq`` (and ``max_exp_avg_sq`` with AMSGrad; FP64 for FP64
+parameters, FP32 for all others), with ``master_weights`` a flat FP32 ``master`` for
+FP16/BF16 parameters, in which every parameter owns a contiguous
 slice (starting on a 64-byte boundary, so the kernels use wide accesses), and a flat FP32
 ``steps`` buffer with one counter per parameter. ``optimizer.state[p]`` holds views into
 these buffers, shaped like ``p`` (with ``p``'s strides when ``p`` is dense but not
@@ -304,6 +305,13 @@ class Bucket:
         for i in self._staged_active(active):
             local(self.params[i]).copy_(self.targets[i])
 
+    def holds_state(self, state) -> bool:
+        """Whether some parameter's state entry in ``state`` is still this bucket's."""
+        return any(
+            self.entries[i] is not None and state.get(p) is self.entries[i]
+            for i, p in enumerate(self.params)
+        )
+
     def owns(self, i: int, entry) -> bool:
         """``entry`` holds exactly the views of slot i for every key this bucket manages,
         and they still show the slot's memory (``view.data = ...`` moves it)."""
@@ -521,6 +529,7 @@ class FusedPlan:
     def __init__(self, groups: list[tuple[int, dict, list[Bucket]]]):
         self.groups = groups  # (group index, group dict, its buckets)
         self.buckets = [b for _, _, bs in groups for b in bs]
+        self.spare: list[Bucket] = []  # buckets of groups out of param_groups (derive)
 
     def record(self, opt) -> None:
         """Remember what is_current() compares; called after every change that the
@@ -575,27 +584,22 @@ def _flags(group: dict) -> tuple:
 
 def split_group(opt, gi: int, group: dict, needs_global: bool) -> list:
     """The buckets' parameters of a fused group: (scope, parameters, their positions) per
-    device and dtype, after checking every parameter; writes nothing."""
+    device, dtype and scope (Note [Scopes]: one group may mix placements), in order of
+    first appearance, after checking every parameter; writes nothing."""
     params = group["params"]
     check_group_options(group, gi)
     for j, p in enumerate(params):
         check_fused_param(p, gi, j, group)
     check_no_duplicates(params, gi)
-    by_device: dict = {}
+    by_key: dict = {}
     for j, p in enumerate(params):
-        dev = (local(p).device, p.dtype)
-        scope = scope_of(p, opt.process_group, needs_global, f"param group {gi} parameter {j}")
-        if dev in by_device and by_device[dev][0] != scope:
-            first = by_device[dev][2][0]
-            raise ValueError(
-                f"param group {gi} mixes parameters sharded over different process groups "
-                f"on {dev[0]}: parameter {first} over {by_device[dev][0].describe()}, "
-                f"parameter {j} over {scope.describe()}; put them in separate param groups"
-            )
-        by_device.setdefault(dev, (scope, [], []))
-        by_device[dev][1].append(p)
-        by_device[dev][2].append(j)
-    return list(by_device.values())
+        scope = scope_of(p, opt.process_group, needs_global, f"param group {gi} parameter {j}",
+                         opt.partition_group)  # fmt: skip
+        key = (local(p).device, p.dtype, scope)
+        by_key.setdefault(key, (scope, [], []))
+        by_key[key][1].append(p)
+        by_key[key][2].append(j)
+    return list(by_key.values())
 
 
 def derive(opt, previous: FusedPlan | None, needs_global: bool) -> FusedPlan:
@@ -604,7 +608,10 @@ def derive(opt, previous: FusedPlan | None, needs_global: bool) -> FusedPlan:
     state = opt.state
     kept: dict[tuple, Bucket] = {}
     if previous is not None:
-        for b in previous.buckets:
+        # The buckets of the previous plan, and those of groups that a swapped param_groups
+        # left out (Note [Swapped param_groups] in optimizer.py): kept while a state entry
+        # still holds their views, so they cost no memory the state does not hold anyway.
+        for b in (*previous.spare, *previous.buckets):
             kept[tuple(map(id, b.params))] = b
     groups = []
     adopt = []  # (bucket, slot, parameter, entry, step counter, whether to view the maximum)
@@ -671,5 +678,6 @@ def derive(opt, previous: FusedPlan | None, needs_global: bool) -> FusedPlan:
         if state.get(p) is not entry:
             state[p] = entry
     plan = FusedPlan(groups)
+    plan.spare = [b for b in kept.values() if b.holds_state(state)]
     plan.record(opt)
     return plan

@@ -9,7 +9,7 @@ import torch
 
 from . import _C, ops
 from ._generic import local
-from .distributed import globalize_report, globalize_sum
+from .distributed import Scope, fold_over, globalize_report, globalize_sum
 from .stats_plan import StatsPlan
 
 
@@ -41,11 +41,14 @@ class PerDevice:
         return self._cache[key]
 
 
-def gradient_report(calls, buckets, grad_scale, per_device: PerDevice) -> torch.Tensor:
+def gradient_report(
+    calls, buckets, grad_scale, per_device: PerDevice, partition_group=None
+) -> torch.Tensor:
     """One report over all active fused buckets: per bucket analyze + merge tree (split
     into several reports when a bucket has more than MAX_ROWS rows); a left fold per
     (device, scope), globalized over the scope's process groups; then a left fold across
-    scopes and devices. ``buckets`` are all the plan's buckets, in order."""
+    scopes and devices; last, the fold over ``partition_group`` (Note [Scopes]).
+    ``buckets`` are all the plan's buckets, in order."""
     reports_by_device: dict = {}
     for call in calls:
         b = call.bucket
@@ -67,14 +70,12 @@ def gradient_report(calls, buckets, grad_scale, per_device: PerDevice) -> torch.
             row_start += n_rows
             out.append(report)
     # Every rank takes part in the same all-gathers in the same order, active gradients
-    # or not: keys in bucket order, and every sharded scope present.
+    # or not: keys in bucket order, and every scope with a group present.
     order = []
     for b in buckets:
         key = (b.device, b.scope)
         if key not in order and (b.scope.groups or key in reports_by_device):
             order.append(key)
-    if not order:
-        return torch.zeros(3, dtype=torch.float32, device=torch.device("cpu"))
     partial = []
     for dev, scope in order:
         reports = reports_by_device.get((dev, scope), [])
@@ -84,12 +85,18 @@ def gradient_report(calls, buckets, grad_scale, per_device: PerDevice) -> torch.
         else:
             final.zero_()
         partial.append(globalize_report(final, scope))
-    if len(partial) == 1:
-        return partial[0]
-    first = partial[0].device
-    final = torch.empty(3, dtype=torch.float32, device=first)
-    gathered = torch.stack([to_device(r, first) for r in partial])
-    ops.merge_gradient_stats_chunks(gathered, final)
+    if not partial:
+        dev = buckets[0].device if buckets else torch.device("cpu")
+        final = torch.zeros(3, dtype=torch.float32, device=dev)
+    elif len(partial) == 1:
+        final = partial[0]
+    else:
+        first = partial[0].device
+        final = torch.empty(3, dtype=torch.float32, device=first)
+        gathered = torch.stack([to_device(r, first) for r in partial])
+        ops.merge_gradient_stats_chunks(gathered, final)
+    if partition_group is not None:  # ranks that own other parts of the model
+        final = fold_over(final, partition_group)
     return final
 
 
@@ -103,29 +110,41 @@ def _square_norm(g: torch.Tensor, device: torch.device) -> torch.Tensor:
     return norm.to(device).square()
 
 
-def tensor_norm_clip(max_grad_norm, fused_calls, generic, scopes, buckets, grad_scale):
-    """clip_grad_norm_'s coefficient from a tensor-operation norm (no native stats);
-    ``scopes`` are those of the generic path's gradients, in order."""
+def tensor_norm_clip(max_grad_norm, fused_calls, generic, buckets, grad_scale, partition_group):
+    """clip_grad_norm_'s coefficient from a tensor-operation norm (no native stats).
+    ``generic`` is a list of (scope, gradient) of the generic path, and the scope of every
+    parameter of the generic groups with or without a gradient, in order: the scopes'
+    sums are reduced in one order on every rank (the plan's buckets, then those), whatever
+    gradients a rank holds, and last summed over ``partition_group`` (Note [Scopes])."""
+    generic_grads, generic_scopes = generic
     by_scope: dict = {}
-    for c in fused_calls:
-        by_scope.setdefault(c.bucket.scope, []).extend(c.grads)
-    generic_grads = [g for _, _, gs in generic for g in gs]
-    for scope, g in zip(scopes, generic_grads, strict=True):
-        by_scope.setdefault(scope, []).append(local(g))
     for b in buckets:
         if b.scope.groups:
             by_scope.setdefault(b.scope, [])
-    if not by_scope:
+    for scope in generic_scopes:
+        if scope.groups:
+            by_scope.setdefault(scope, [])
+    for c in fused_calls:
+        by_scope.setdefault(c.bucket.scope, []).extend(c.grads)
+    for scope, g in generic_grads:
+        by_scope.setdefault(scope, []).append(local(g))
+    if not by_scope and partition_group is None:
         return None
     grads = [g for gs in by_scope.values() for g in gs]
-    first = grads[0].device if grads else buckets[0].device
-    squares = []
+    if grads:
+        first = grads[0].device
+    else:
+        first = buckets[0].device if buckets else torch.device("cpu")
+    squares = [torch.zeros((), dtype=torch.float32, device=first)]
     for scope, gs in by_scope.items():
         sq = torch.zeros((), dtype=torch.float32, device=first)
         for g in gs:
             sq = sq + _square_norm(g, first)
         squares.append(globalize_sum(sq, scope))
-    total = torch.stack(squares).sum().sqrt()
+    total = torch.stack(squares).sum()
+    if partition_group is not None:
+        total = globalize_sum(total, Scope((partition_group,)))
+    total = total.sqrt()
     if grad_scale is not None:
         total = total / grad_scale.to(first).reshape(())
     return (max_grad_norm / (total + 1e-6)).clamp(max=1.0).reshape(1)

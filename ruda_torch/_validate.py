@@ -54,17 +54,19 @@ def check_max_grad_norm(value):
     return float(value)
 
 
-def check_process_group(group) -> None:
-    """``None`` or a ``torch.distributed.ProcessGroup``."""
+def check_process_group(group, name: str = "process_group") -> None:
+    """``None`` or a registered ``torch.distributed.ProcessGroup``."""
     if group is None:
         return
     import torch.distributed as dist
 
     if not (dist.is_available() and isinstance(group, dist.ProcessGroup)):
         raise TypeError(
-            f"process_group must be a torch.distributed.ProcessGroup (e.g. the FSDP process "
-            f"group) or None, got {type(group).__name__}"
+            f"{name} must be a torch.distributed.ProcessGroup or None, got {type(group).__name__}"
         )
+    from .distributed import ranks_of
+
+    ranks_of(group, name)  # registered, and torch.distributed still initialized
 
 
 # Note [Step counter range] in csrc/adamw_math.h: what the kernels do with counters that

@@ -46,7 +46,7 @@ from ._validate import (
     check_process_group,
     check_state_entry,
 )
-from .distributed import scope_of
+from .distributed import ranks_of, scope_of
 from .report import GradientReport
 
 __all__ = ["AdamW", "GradientReport"]
@@ -62,7 +62,18 @@ _FUSED_KEYS = dict(
 )
 # Optimizer-wide options that change the math, and the last report: pickled with the
 # optimizer (torch's Optimizer pickles only defaults, state and param_groups).
-_OPTIONS = dict(hierarchical_stats=False, max_grad_norm=None, process_group=None, last_report=None)
+_OPTIONS = dict(
+    hierarchical_stats=False,
+    max_grad_norm=None,
+    process_group=None,
+    partition_group=None,
+    last_report=None,
+)
+# Optimizer-wide options that wrappers copy into group dicts (ZeroRedundancyOptimizer
+# passes its keywords both ways, and syncs every group key into ours and back): see
+# AdamW._wide_keys_of.
+_GROUPS_KEYS = ("process_group", "partition_group")
+_WIDE_KEYS = ("hierarchical_stats", "max_grad_norm", *_GROUPS_KEYS)
 
 
 @dataclass
@@ -133,14 +144,18 @@ class AdamW(Optimizer):
             the gradients. Optimizer-wide.
         process_group (default None): with FSDP1 (or any plain-tensor parameters that
             are shards across ranks), the process group they are sharded over, so that
-            the statistics and clipping use the global norm (docs/fsdp.md). FSDP2
-            DTensor parameters take their groups from the mesh; DDP needs none.
-            Optimizer-wide, never stored in the state dict. ``deepcopy`` shares it.
-        partition_group (default None): the same, spelled for ``ZeroRedundancyOptimizer``
-            (which consumes ``process_group`` itself and builds this optimizer on each
-            rank's partition of the parameters): the group the parameters are
-            partitioned over, so that the statistics, the skip decision and clipping are
-            global over all partitions. Give one of the two, or both the same.
+            the statistics and clipping use the global norm (docs/fsdp.md). FSDP2,
+            HSDP and tensor-parallel DTensor parameters take their groups from the mesh
+            (Note [Scopes]); DDP needs none. Optimizer-wide, never stored in the state
+            dict. ``deepcopy`` shares it.
+        partition_group (default None): the group of ranks that own *different parts*
+            of the model: ``ZeroRedundancyOptimizer``'s partitions (it keeps
+            ``process_group`` for itself and builds this optimizer on each rank's
+            partition) or pipeline stages. Each rank's whole report (or squared norm) is
+            summed over it, so the statistics, the skip decision and clipping are global
+            over all parts; it may be given together with ``process_group`` or a mesh
+            (pipeline stages of an FSDP model) but must share no other rank with them.
+            Optimizer-wide, as ``process_group``.
 
     Migration from ``torch.optim.AdamW``: pass ``eps=1e-8, weight_decay=1e-2`` to keep
     torch's defaults. ``state_dict()`` has torch's format; checkpoints load both ways.
@@ -178,24 +193,21 @@ class AdamW(Optimizer):
         partition_group=None,
     ):
         check_hyperparameters(lr, betas, eps, weight_decay)
-        if partition_group is not None:
-            check_process_group(partition_group)
-            if process_group is not None and process_group is not partition_group:
-                raise ValueError(
-                    "process_group and partition_group name two different groups; they are "
-                    "one setting (partition_group is its name under ZeroRedundancyOptimizer, "
-                    "which keeps process_group for itself): give one"
-                )
-            process_group = partition_group
         if hierarchical_stats and not fused_step:
             raise ValueError(
                 "hierarchical_stats=True requires fused_step=True (the statistics feed the "
                 "native fused kernel)"
             )
-        check_process_group(process_group)
+        check_process_group(process_group, "process_group")
+        check_process_group(partition_group, "partition_group")
+        if process_group is not None and partition_group is not None:
+            from .distributed import Scope, check_disjoint
+
+            check_disjoint(Scope((process_group,)), partition_group, "process_group")
         self.hierarchical_stats = bool(hierarchical_stats)
         self.max_grad_norm = check_max_grad_norm(max_grad_norm)
         self.process_group = process_group
+        self.partition_group = partition_group
         self.last_report: GradientReport | None = None
         self._plan: _fused.FusedPlan | None = None
         defaults = dict(
@@ -215,6 +227,7 @@ class AdamW(Optimizer):
         _fused.check_group_options(defaults, None)
         self._flat_warned = False
         super().__init__(params, defaults)
+        self._home_groups = self.param_groups  # Note [Swapped param_groups]
         self._install_flat_grads()  # before the first backward, which then fills the views
 
     # ------------------------------------------------------------------ pickling
@@ -240,17 +253,20 @@ class AdamW(Optimizer):
             self.__dict__.setdefault(k, v)  # pickles older than these options
         self.__dict__.setdefault("_plan", None)
         self.__dict__.setdefault("_flat_warned", False)
+        self._home_groups = self.param_groups  # load_state_dict makes a new list
 
     def __deepcopy__(self, memo):
         # A process group is a handle to shared communicators: the copy shares it.
-        if self.process_group is not None:
-            memo.setdefault(id(self.process_group), self.process_group)
+        for group in (self.process_group, self.partition_group):
+            if group is not None:
+                memo.setdefault(id(group), group)
         new = type(self).__new__(type(self))
         memo[id(self)] = new
         new.__setstate__(copy.deepcopy(self.__getstate__(), memo))
         return new
 
     def add_param_group(self, param_group: dict) -> None:
+        param_group = self._wide_keys_of(param_group)
         merged = {**self.defaults, **{k: v for k, v in param_group.items() if k != "params"}}
         check_hyperparameters(merged["lr"], merged["betas"], merged["eps"], merged["weight_decay"])
         gi = len(self.param_groups)
@@ -274,6 +290,58 @@ class AdamW(Optimizer):
                     _check_stats_dtype(p.dtype, gi)
             _fused.check_no_duplicates(tensors, gi)
         super().add_param_group({**param_group, "params": params})
+
+    def _wide_keys_of(self, param_group: dict) -> dict:
+        """A group dict whose optimizer-wide options (which wrappers such as
+        ZeroRedundancyOptimizer copy into every group and sync back and forth) agree with
+        this optimizer's, with process groups replaced by the tuple of their ranks: a
+        ProcessGroup cannot be pickled, and a group dict goes into ``state_dict()``."""
+        if not any(k in param_group for k in _WIDE_KEYS):
+            return param_group
+        group = dict(param_group)
+        for k in ("hierarchical_stats", "max_grad_norm"):
+            if k in group:
+                value = group[k]
+                ours = getattr(self, k)
+                if k == "max_grad_norm" and value is not None:
+                    value = check_max_grad_norm(value)
+                if bool(value) != bool(ours) if k == "hierarchical_stats" else value != ours:
+                    raise ValueError(
+                        f"a param group sets {k}={group[k]!r}, but {k} is an optimizer-wide "
+                        f"option (this optimizer's is {ours!r}): pass it to "
+                        f"ruda_torch.{type(self).__name__}(...), not in a param group"
+                    )
+        for k in _GROUPS_KEYS:
+            if k in group:
+                group[k] = self._group_description(k, group[k])
+        return group
+
+    def _group_description(self, key: str, value):
+        """The picklable form of a process group in a group dict (a tuple of ranks)."""
+        if value is None or (isinstance(value, tuple) and all(isinstance(r, int) for r in value)):
+            return value
+        check_process_group(value, key)
+        ranks = ranks_of(value, key)
+        ours = getattr(self, key)
+        if ours is None or ranks_of(ours, key) != ranks:
+            raise ValueError(
+                f"a param group sets {key} to the group of ranks {list(ranks)}, but {key} "
+                f"is an optimizer-wide option (this optimizer's is "
+                f"{'None' if ours is None else list(ranks_of(ours, key))}): pass it to "
+                f"ruda_torch.{type(self).__name__}(...), not in a param group"
+            )
+        return ranks
+
+    def state_dict(self) -> dict:
+        """torch's ``Optimizer.state_dict``, with any process group that a wrapper put
+        into a group dict written as the tuple of its ranks (picklable, loadable with
+        ``weights_only=True``)."""
+        sd = super().state_dict()
+        for g in sd["param_groups"]:
+            for k in _GROUPS_KEYS:
+                if k in g and g[k] is not None and not isinstance(g[k], tuple):
+                    g[k] = ranks_of(g[k], k)
+        return sd
 
     # ------------------------------------------------------------------ checkpoints
     def load_state_dict(self, state_dict: dict) -> None:
@@ -367,6 +435,8 @@ class AdamW(Optimizer):
         found_inf = getattr(self, "found_inf", None)
 
         # Phase 1: gather and validate everything; nothing is written before phase 2.
+        if self.hierarchical_stats or self.max_grad_norm is not None:
+            self._check_whole_groups()
         for group in self.param_groups:
             check_hyperparameters(
                 group["lr"], group["betas"], group["eps"], group["weight_decay"], read_values=False
@@ -405,7 +475,10 @@ class AdamW(Optimizer):
         new_state = bool(fresh)  # phase 2 writes before the first kernel call
         numeric_steps = []  # generic parameters whose step is a number or integer tensor
         generic: list[tuple[dict, list[torch.Tensor], list[torch.Tensor]]] = []
-        scopes: list = []  # of the generic path's gradients, in order (tensor-op norm only)
+        # The tensor-op norm's scopes on the generic path: (scope, gradient) for each
+        # gradient, and the scope of every generic parameter, in order (_stats).
+        norm_grads: list = []
+        norm_scopes: list = []
         for gi, group in enumerate(self.param_groups):
             if group.get("fused_step"):
                 continue
@@ -413,11 +486,14 @@ class AdamW(Optimizer):
             params = [p for _, p in indexed]
             grads = [p.grad for p in params]
             _generic.check_generic(gi, indexed, grads)
-            if self.max_grad_norm is not None:  # the norm's scope, checked up front
-                for j, p in indexed:
-                    scopes.append(
-                        scope_of(p, self.process_group, True, f"param group {gi} parameter {j}")
-                    )
+            if self.max_grad_norm is not None:  # the norm's scopes, checked up front
+                for j, p in enumerate(group["params"]):
+                    scope = scope_of(p, self.process_group, True,
+                                     f"param group {gi} parameter {j}", self.partition_group)  # fmt: skip
+                    if scope not in norm_scopes:
+                        norm_scopes.append(scope)
+                    if p.grad is not None:
+                        norm_grads.append((scope, p.grad))
             for j, p in indexed:
                 st = self.state.get(p)
                 if not st:
@@ -467,11 +543,14 @@ class AdamW(Optimizer):
         # Phase 3: statistics or norm, then the updates.
         stats = clip_coef = None
         if self.hierarchical_stats:
-            stats = _stats.gradient_report(calls, plan.buckets, grad_scale, per_device)
+            stats = _stats.gradient_report(
+                calls, plan.buckets, grad_scale, per_device, self.partition_group
+            )
         elif self.max_grad_norm is not None:
             clip_coef = _stats.tensor_norm_clip(
-                self.max_grad_norm, calls, generic, scopes, plan.buckets, grad_scale
-            )
+                self.max_grad_norm, calls, (norm_grads, norm_scopes), plan.buckets,
+                grad_scale, self.partition_group,
+            )  # fmt: skip
         for c in calls:
             self._run(ops.adamw_scaled_, c, grad_scale, found_inf, stats, clip_coef, per_device)
         for group, params, grads in generic:
@@ -630,6 +709,36 @@ class AdamW(Optimizer):
             refuse("max_grad_norm is set without hierarchical_stats=True (the tensor-op norm)")
 
     # ------------------------------------------------------------------ internals
+    # Note [Swapped param_groups]
+    # DeepSpeed's ZeRO 1/2 step assigns `optimizer.param_groups = [groups[i]]` and steps
+    # one group at a time, then puts the whole list back. A step of one group is right for
+    # the update, but a report (skip decision, clip norm) of one group is not the model's:
+    # each group would be clipped by its own norm. The fact checked: the list stepped is a
+    # new list holding some, not all, of the groups of the optimizer's own list (the one
+    # built by the constructor or a load; changed in place by add_param_group or `del`).
+    # The buckets of the groups not stepped stay cached (derive keeps them), so the swap
+    # costs a plan check, not a rebuild.
+    def _check_whole_groups(self) -> None:
+        groups, home = self.param_groups, self._home_groups
+        if groups is home or len(groups) >= len(home):
+            return
+        home_ids = {id(g) for g in home}
+        if all(id(g) in home_ids for g in groups):
+            what = []
+            if self.max_grad_norm is not None:
+                what.append(f"max_grad_norm={self.max_grad_norm}")
+            if self.hierarchical_stats:
+                what.append("hierarchical_stats=True")
+            raise ValueError(
+                f"optimizer.param_groups holds {len(groups)} of this optimizer's "
+                f"{len(home)} param groups for this step (DeepSpeed's ZeRO steps one group at "
+                f"a time this way), so {' and '.join(what)} would decide clipping and skipping "
+                "from one group's gradients only. Under DeepSpeed, clip with its "
+                '"gradient_clipping" config and leave max_grad_norm and hierarchical_stats '
+                "unset (or use one param group); to remove groups for good, delete them from "
+                "optimizer.param_groups in place"
+            )
+
     def _current_plan(self) -> _fused.FusedPlan:
         """The buckets, derived again when the state or the groups changed (Note [Fused
         state coherence]); raises, writing nothing, when they cannot be."""

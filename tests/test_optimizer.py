@@ -1116,3 +1116,86 @@ def test_thread_count_does_not_change_bits(mode):
         return opt
 
     assert_bitwise_twins(run(1), run(2), "1 vs 2 threads")
+
+
+# --------------------------------------------------------------- swapped param_groups
+# Note [Swapped param_groups] in ruda_torch/optimizer.py: DeepSpeed's ZeRO 1/2 steps the
+# client optimizer one group at a time by assigning a one-group list to param_groups.
+
+
+def _two_group_model(**kwargs):
+    torch.manual_seed(7)
+    ps = [torch.nn.Parameter(torch.randn(n)) for n in (97, 1025, 33)]
+    opt = ruda_torch.AdamW([{"params": ps[:2]}, {"params": ps[2:]}], fused_step=True, **kwargs)
+    return ps, opt
+
+
+def _swap_step(opt) -> None:
+    """What DeepSpeed's stage_1_and_2 does for every group."""
+    whole = opt.param_groups
+    for group in list(whole):
+        opt.param_groups = [group]
+        try:
+            opt.step()
+        finally:
+            opt.param_groups = whole
+
+
+def test_swapped_param_groups_step_as_whole_and_keep_their_buckets():
+    ps, opt = _two_group_model()
+    twins, ref = _two_group_model()
+    for step in range(3):
+        for p, q in zip(ps, twins, strict=True):
+            p.grad = torch.randn_like(p)
+            q.grad = p.grad.clone()
+        _swap_step(opt)
+        ref.step()
+        if step == 0:
+            buckets = {id(b) for g in opt.param_groups for b in _buckets_of(opt, g)}
+    for p, q in zip(ps, twins, strict=True):
+        assert_bitwise(p, q)
+        for k in ("exp_avg", "exp_avg_sq", "step"):
+            assert torch.equal(opt.state[p][k], ref.state[q][k]), k
+    # No bucket was rebuilt by the swaps: the state entries are views of the first ones.
+    after = {id(b) for g in opt.param_groups for b in _buckets_of(opt, g)}
+    assert after == buckets
+
+
+def _buckets_of(opt, group):
+    plan = opt._current_plan()
+    return [b for _, g, bs in plan.groups if g is group for b in bs] + [
+        b for b in plan.spare if any(p is q for p in b.params for q in group["params"])
+    ]
+
+
+@pytest.mark.parametrize(
+    "kwargs", [dict(max_grad_norm=1.0), dict(hierarchical_stats=True)], ids=["clip", "stats"]
+)
+def test_swapped_param_groups_refuse_a_per_group_norm(kwargs):
+    ps, opt = _two_group_model(**kwargs)
+    for p in ps:
+        p.grad = torch.randn_like(p)
+    before = [p.detach().clone() for p in ps]
+    with pytest.raises(
+        ValueError, match='holds 1 of this optimizer.s 2 param groups.*"gradient_clipping"'
+    ):
+        _swap_step(opt)
+    for p, b in zip(ps, before, strict=True):
+        assert_bitwise(p, b)
+    assert not opt.state, "a refused step creates no state"
+    # Removing a group for good, in place, is not a swap.
+    del opt.param_groups[1]
+    opt.step()
+    assert not torch.equal(ps[0], before[0]) and torch.equal(ps[2], before[2])
+
+
+def test_param_group_may_not_override_an_optimizer_wide_option():
+    p = torch.nn.Parameter(torch.randn(5))
+    with pytest.raises(ValueError, match="max_grad_norm is an optimizer-wide option"):
+        ruda_torch.AdamW([{"params": [p], "max_grad_norm": 2.0}], max_grad_norm=1.0)
+    with pytest.raises(ValueError, match="hierarchical_stats is an optimizer-wide option"):
+        ruda_torch.AdamW([{"params": [p], "hierarchical_stats": True}], fused_step=True)
+    # Equal values (what ZeroRedundancyOptimizer passes) are accepted.
+    opt = ruda_torch.AdamW([{"params": [p], "max_grad_norm": 1.0, "process_group": None}],
+                           max_grad_norm=1.0)  # fmt: skip
+    assert opt.param_groups[0]["max_grad_norm"] == 1.0
