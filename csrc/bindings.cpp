@@ -328,22 +328,12 @@ std::unique_ptr<FlatBucket> make_flat_bucket(
   fb->unit = unit;
   fb->table = std::move(prep.table);
   fb->active = fb->table;
-  fb->grad_sharers = fb->grad.storage().use_count();
   return fb;
 }
 
 bool flat_param_current(const FlatBucket& fb, size_t i) {
   const TensorEntry& e = fb.table[i];
   return e.numel == 0 || fb.params[i].unsafeGetTensorImpl()->data() == e.param;
-}
-
-bool flat_views_suspect(const FlatBucket& fb) {
-  return fb.grad.storage().use_count() != fb.grad_sharers;
-}
-
-bool flat_view_moved(const FlatBucket& fb, size_t i) {
-  const TensorEntry& e = fb.table[i];
-  return e.numel > 0 && fb.views[i].const_data_ptr() != e.grad;
 }
 
 PreparedStats prepare_flat_analyze(const FlatBucket& fb, int64_t lo, int64_t hi,

@@ -84,11 +84,9 @@ struct FlatBucket {
   bool all_active = true;
   at::Tensor device_table;  // CUDA: the launch's table in device memory
   bool device_table_current = false;
-  // How many tensors shared the flat buffer's memory when the views' addresses were last
-  // checked: a view moved off it (`p.grad.data = ...`, `set_`) lowers the count, so that
-  // an equal count spares a step the address of every view (the proxy of Note [Fused
-  // state coherence] for state views).
-  size_t grad_sharers = 0;
+  // What each view is (Note [Exact views] in csrc/module.cpp), recorded when the handle
+  // is made and compared by flat_check at every step.
+  std::vector<int64_t> view_facts;
   // Statistics of the selected subset, one piece [lo, hi) of it at a time (CUDA): the
   // pieces partition the subset, so their tables fit one buffer of an entry per
   // parameter, piece [lo, hi) at entry lo, allocated once and rewritten in place (as
@@ -107,11 +105,6 @@ std::unique_ptr<FlatBucket> make_flat_bucket(
 
 // Whether parameter i's memory is where the table says.
 bool flat_param_current(const FlatBucket& fb, size_t i);
-
-// Whether the views may have moved off the flat buffer (its sharing count changed since
-// the last check that found them all in place), and whether view i did.
-bool flat_views_suspect(const FlatBucket& fb);
-bool flat_view_moved(const FlatBucket& fb, size_t i);
 
 // Makes `active` (parameter indices, ascending; null = all) the launch's table subset.
 void flat_bucket_select(FlatBucket& fb, const std::vector<int64_t>* active);

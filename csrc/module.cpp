@@ -4,8 +4,8 @@
 // `unchanged`, the test of Note [Fused state coherence] in ruda_torch/_fused.py, and
 // `grads_of`, which gathers a bucket's gradients.
 //
-// `unchanged` compares object identities, shapes and sharing counts, never values: it is a
-// loop over pointers, so that checking 20,000 parameters and their state entries costs a
+// `unchanged` compares object identities, shapes and views (Note [Exact views]), never values: it
+// is a loop over pointers, so that checking 20,000 parameters and their state entries costs a
 // fraction of a millisecond where the same loop in Python would cost several.
 #include <torch/csrc/Exceptions.h>
 #include <torch/csrc/autograd/python_variable.h>
@@ -64,35 +64,31 @@ bool int64_data(PyObject* obj, const char* name, int64_t** data, int64_t* numel)
   return false;
 }
 
-// How many tensors share the memory of `t` (its storage's reference count), or -1.
-int64_t sharers(PyObject* t) {
-  if (!THPVariable_Check(t)) return -1;
-  const at::Tensor& tensor = THPVariable_Unpack(t);
-  return tensor.has_storage() ? static_cast<int64_t>(tensor.storage().use_count()) : -1;
-}
-
 // What unchanged() compares of a parameter: dtype, device, shape and strides (any change
 // re-derives the plan: the bucket holds state of that dtype, on that device, in that
 // memory order). Appends [dtype, device type, device index, dim, sizes..., strides...];
 // false for anything that is not a tensor with concrete sizes.
-bool append_layout(PyObject* obj, std::vector<int64_t>& out) {
-  if (!THPVariable_Check(obj)) return false;
-  const at::Tensor& t = THPVariable_Unpack(obj);
-  if (t.unsafeGetTensorImpl()->has_symbolic_sizes_strides()) return false;
+void append_layout_of(const at::Tensor& t, std::vector<int64_t>& out) {
   out.push_back(static_cast<int64_t>(t.scalar_type()));
   out.push_back(static_cast<int64_t>(t.device().type()));
   out.push_back(static_cast<int64_t>(t.device().index()));
   out.push_back(t.dim());
   out.insert(out.end(), t.sizes().begin(), t.sizes().end());
   out.insert(out.end(), t.strides().begin(), t.strides().end());
+}
+
+bool append_layout(PyObject* obj, std::vector<int64_t>& out) {
+  if (!THPVariable_Check(obj)) return false;
+  const at::Tensor& t = THPVariable_Unpack(obj);
+  if (t.unsafeGetTensorImpl()->has_symbolic_sizes_strides()) return false;
+  append_layout_of(t, out);
   return true;
 }
 
-// Whether `obj` still has the layout append_layout() recorded at *want; advances *want
-// past it. Compared in place: unchanged() runs it for every fused parameter at every step.
-bool same_layout(PyObject* obj, const int64_t** want, const int64_t* end) {
-  if (!THPVariable_Check(obj)) return false;
-  const at::Tensor& t = THPVariable_Unpack(obj);
+// Whether `t` (or `obj`) still has the layout append_layout() recorded at *want; advances
+// *want past it. Compared in place: unchanged() runs it for every fused parameter at every
+// step.
+bool same_layout_of(const at::Tensor& t, const int64_t** want, const int64_t* end) {
   if (t.unsafeGetTensorImpl()->has_symbolic_sizes_strides()) return false;
   const int64_t dim = t.dim();
   const int64_t* w = *want;
@@ -108,6 +104,44 @@ bool same_layout(PyObject* obj, const int64_t** want, const int64_t* end) {
     if (w[d] != sizes[d] || w[dim + d] != strides[d]) return false;
   }
   *want = w + 2 * dim;
+  return true;
+}
+
+bool same_layout(PyObject* obj, const int64_t** want, const int64_t* end) {
+  return THPVariable_Check(obj) && same_layout_of(THPVariable_Unpack(obj), want, end);
+}
+
+// Note [Exact views]
+// A view of a bucket buffer (a state view in optimizer.state, a flat gradient view that
+// is `p.grad`) is what the step reads and writes. Whether it still is that view is a fact
+// about the tensor object, and is checked as such: the storage it addresses (the
+// StorageImpl, which the bucket keeps alive, so an equal pointer is the same memory), its
+// storage offset, dtype, device, sizes and strides. `view.data = t`, `set_`, `t_()`,
+// `resize_`, `unsqueeze_` all change one of these in the same TensorImpl, whatever other
+// tensors share the buffer (a sharing count, the proxy used before, missed a replaced
+// view while some other tensor kept a reference). All of it lives in the TensorImpl: one
+// object per view, prefetched like the others, no second pointer chase.
+void append_view(const at::Tensor& t, std::vector<int64_t>& out) {
+  out.push_back(static_cast<int64_t>(
+      reinterpret_cast<uintptr_t>(t.has_storage() ? t.storage().unsafeGetStorageImpl() : nullptr)));
+  out.push_back(t.has_storage() ? t.storage_offset() : 0);
+}
+
+// The record after the one at `w` (append_view + append_layout), or `end`.
+const int64_t* skip_view(const int64_t* w, const int64_t* end) {
+  if (end - w < 6) return end;
+  const int64_t next = 6 + 2 * w[5];
+  return end - w < next ? end : w + next;
+}
+
+bool same_view(const at::Tensor& t, const int64_t** want, const int64_t* end) {
+  const int64_t* w = *want;
+  if (end - w < 2) return false;
+  const auto* impl = t.unsafeGetTensorImpl();
+  const auto storage = static_cast<int64_t>(reinterpret_cast<uintptr_t>(
+      impl->has_storage() ? impl->unsafe_storage().unsafeGetStorageImpl() : nullptr));
+  if (w[0] != storage || w[1] != (impl->has_storage() ? impl->storage_offset() : 0)) return false;
+  *want = w + 2;
   return true;
 }
 
@@ -132,47 +166,74 @@ PyObject* layout_record(PyObject*, PyObject* tensors) {
   return list;
 }
 
-// use_counts(buffers) -> list[int]: sharers() of each buffer, for unchanged() to compare.
-PyObject* use_counts(PyObject*, PyObject* buffers) {
-  if (!PyList_Check(buffers)) {
-    PyErr_SetString(PyExc_TypeError, "use_counts: buffers must be a list");
+// view_record(tensors) -> list[int]: per tensor, append_view() then append_layout()
+// (Note [Exact views]).
+PyObject* view_record(PyObject*, PyObject* tensors) {
+  if (!PyList_Check(tensors)) {
+    PyErr_SetString(PyExc_TypeError, "view_record: tensors must be a list");
     return nullptr;
   }
-  const Py_ssize_t n = PyList_GET_SIZE(buffers);
-  PyObject* out = PyList_New(n);
-  if (out == nullptr) return nullptr;
-  for (Py_ssize_t i = 0; i < n; ++i) {
-    PyList_SET_ITEM(out, i, PyLong_FromLongLong(sharers(PyList_GET_ITEM(buffers, i))));
+  std::vector<int64_t> out;
+  for (Py_ssize_t j = 0; j < PyList_GET_SIZE(tensors); ++j) {
+    PyObject* t = PyList_GET_ITEM(tensors, j);
+    if (!THPVariable_Check(t)) {
+      PyErr_SetString(PyExc_TypeError, "view_record: every item must be a tensor");
+      return nullptr;
+    }
+    append_view(THPVariable_Unpack(t), out);
+    if (!append_layout(t, out)) {
+      PyErr_SetString(PyExc_TypeError, "view_record: every item must have known sizes");
+      return nullptr;
+    }
   }
-  return out;
+  PyObject* list = PyList_New(static_cast<Py_ssize_t>(out.size()));
+  if (list == nullptr) return nullptr;
+  for (size_t k = 0; k < out.size(); ++k) {
+    PyList_SET_ITEM(list, static_cast<Py_ssize_t>(k), PyLong_FromLongLong(out[k]));
+  }
+  return list;
 }
 
-// unchanged(containers, expected, tensors, shapes, buffers, counts) -> bool
+// Whether every tensor of `tensors` is still the view view_record() recorded in *want.
+bool same_views(PyObject* tensors, const int64_t* want, const int64_t* end) {
+  constexpr Py_ssize_t kAhead = 16;
+  const Py_ssize_t m = PyList_GET_SIZE(tensors);
+  for (Py_ssize_t j = 0; j < m; ++j) {
+    if (j + 2 * kAhead < m) __builtin_prefetch(PyList_GET_ITEM(tensors, j + 2 * kAhead));
+    if (j + kAhead < m) {
+      PyObject* ahead = PyList_GET_ITEM(tensors, j + kAhead);
+      if (THPVariable_Check(ahead)) {
+        __builtin_prefetch(THPVariable_Unpack(ahead).unsafeGetTensorImpl());
+      }
+    }
+    PyObject* obj = PyList_GET_ITEM(tensors, j);
+    if (!THPVariable_Check(obj) || !same_view(THPVariable_Unpack(obj), &want, end) ||
+        !same_layout_of(THPVariable_Unpack(obj), &want, end)) {
+      return false;
+    }
+  }
+  return want == end;
+}
+
+// unchanged(containers, expected, tensors, shapes, views, facts) -> bool
 //   containers: dicts and lists; expected: their items, concatenated (see same_items);
 //   tensors: tensors whose layouts must not change; shapes: a CPU int64 tensor holding
 //   layout_record(tensors);
-//   buffers: tensors whose memory must be shared by as many tensors as before (counts, a
-//   CPU int64 tensor from use_counts). A view of a bucket given other memory
-//   (`view.data = ...`, `view.set_(...)`: the object stays, the memory moves) lowers its
-//   buffer's count: one comparison per buffer instead of one per view.
+//   views: the bucket views in the state, each of which must still be exactly the view
+//   recorded in facts (a CPU int64 tensor from view_record; Note [Exact views]).
 PyObject* unchanged(PyObject*, PyObject* args) {
-  PyObject *containers, *expected, *tensors, *shapes_obj, *buffers, *counts_obj;
+  PyObject *containers, *expected, *tensors, *shapes_obj, *views, *facts_obj;
   if (!PyArg_ParseTuple(args, "O!O!O!OO!O", &PyList_Type, &containers, &PyList_Type, &expected,
-                        &PyList_Type, &tensors, &shapes_obj, &PyList_Type, &buffers, &counts_obj)) {
+                        &PyList_Type, &tensors, &shapes_obj, &PyList_Type, &views, &facts_obj)) {
     return nullptr;
   }
-  int64_t n_shapes = 0, n_counts = 0;
-  int64_t *want_data = nullptr, *count_data = nullptr;
+  int64_t n_shapes = 0, n_facts = 0;
+  int64_t *want_data = nullptr, *facts = nullptr;
   if (!int64_data(shapes_obj, "unchanged: shapes", &want_data, &n_shapes) ||
-      !int64_data(counts_obj, "unchanged: counts", &count_data, &n_counts)) {
+      !int64_data(facts_obj, "unchanged: facts", &facts, &n_facts)) {
     return nullptr;
   }
   const int64_t* want = want_data;
-  const int64_t* count = count_data;
-  if (n_counts != PyList_GET_SIZE(buffers)) {
-    PyErr_SetString(PyExc_ValueError, "unchanged: buffers and counts differ in length");
-    return nullptr;
-  }
   // Both loops are bound by memory latency (one small dict, one TensorImpl per
   // parameter): the objects a few iterations ahead are prefetched (see flat_check).
   constexpr Py_ssize_t kAhead = 16;
@@ -200,9 +261,7 @@ PyObject* unchanged(PyObject*, PyObject* args) {
     if (!same_layout(PyList_GET_ITEM(tensors, j), &want, want_end)) Py_RETURN_FALSE;
   }
   if (want != want_end) Py_RETURN_FALSE;
-  for (int64_t k = 0; k < n_counts; ++k) {
-    if (sharers(PyList_GET_ITEM(buffers, k)) != count[k]) Py_RETURN_FALSE;
-  }
+  if (!same_views(views, facts, facts + n_facts)) Py_RETURN_FALSE;
   Py_RETURN_TRUE;
 }
 
@@ -351,6 +410,10 @@ PyObject* flat_bucket(PyObject*, PyObject* args) {
       std::move(o), std::move(p), std::move(v), THPVariable_Unpack(grad),
       THPVariable_Unpack(exp_avg), THPVariable_Unpack(exp_avg_sq), optional_tensor(max_sq),
       THPVariable_Unpack(steps), THPVariable_Unpack(slots), optional_tensor(master));
+  for (const at::Tensor& view : fb->views) {  // Note [Exact views]
+    append_view(view, fb->view_facts);
+    append_layout_of(view, fb->view_facts);
+  }
   PyObject* capsule = PyCapsule_New(fb.get(), kFlatCapsule, free_flat);
   if (capsule != nullptr) fb.release();
   return capsule;
@@ -371,9 +434,9 @@ bool versions_of(PyObject* obj, const ruda::FlatBucket& fb, int64_t** data) {
 
 // flat_check(handle, clean) -> (current, broken, inactive). current: no parameter's
 // memory moved (else the handle must be made again). broken: the parameters whose `grad`
-// is not their view any more, or whose view's memory moved off the flat buffer (checked
-// when its sharing count changed, Note [Flat gradient buckets]). inactive: those whose view was not
-// written since flat_mark() recorded its version in `clean` (-1: counts as written). Reads only.
+// is not their view any more, or whose view is no longer exactly the view the handle
+// made (Note [Exact views]). inactive: those whose view was not written since
+// flat_mark() recorded its version in `clean` (-1: counts as written). Reads only.
 PyObject* flat_check(PyObject*, PyObject* args) {
   HANDLE_TH_ERRORS
   PyObject *handle, *clean_obj;
@@ -391,8 +454,8 @@ PyObject* flat_check(PyObject*, PyObject* args) {
     return nullptr;
   }
   bool current = true;
-  const bool suspect = ruda::flat_views_suspect(*fb);
-  bool moved = false;
+  const int64_t* facts = fb->view_facts.data();
+  const int64_t* const facts_end = facts + fb->view_facts.size();
   // The loop is bound by memory latency: each parameter is a chain of separately
   // allocated objects (its TensorImpl, its autograd meta holding `grad`, its storage; the
   // view's TensorImpl and version counter). Prefetching the heads of the chains a few
@@ -418,9 +481,12 @@ PyObject* flat_check(PyObject*, PyObject* args) {
     const at::Tensor& grad = fb->owners[i].unsafeGetTensorImpl()->grad();
     current = current && ruda::flat_param_current(*fb, static_cast<size_t>(i));
     PyObject* into = nullptr;
-    const bool gone = suspect && ruda::flat_view_moved(*fb, static_cast<size_t>(i));
-    moved = moved || gone;
-    if (gone || !grad.defined() || grad.unsafeGetTensorImpl() != view.unsafeGetTensorImpl()) {
+    // Note [Exact views]: the view still addresses its slice with its layout (a failed
+    // comparison leaves `facts` where it was: the remaining views are then skipped).
+    const int64_t* at = facts;
+    const bool same = same_view(view, &at, facts_end) && same_layout_of(view, &at, facts_end);
+    facts = same ? at : skip_view(facts, facts_end);
+    if (!same || !grad.defined() || grad.unsafeGetTensorImpl() != view.unsafeGetTensorImpl()) {
       into = broken;
     } else if (static_cast<int64_t>(view._version()) == clean[i]) {
       into = inactive;
@@ -436,7 +502,6 @@ PyObject* flat_check(PyObject*, PyObject* args) {
       Py_DECREF(index);
     }
   }
-  if (suspect && !moved) fb->grad_sharers = fb->grad.storage().use_count();
   return Py_BuildValue("(ONN)", current ? Py_True : Py_False, broken, inactive);
   END_HANDLE_TH_ERRORS
 }
@@ -585,9 +650,9 @@ namespace {
 PyMethodDef kMethods[] = {
     {"grads_of", grads_of, METH_O, "grads_of(params) -> (grads, missing, mixed, relayout)"},
     {"unchanged", unchanged, METH_VARARGS,
-     "unchanged(containers, expected, tensors, shapes, buffers, counts) -> bool "
+     "unchanged(containers, expected, tensors, shapes, views, facts) -> bool "
      "(Note [Fused state coherence])"},
-    {"use_counts", use_counts, METH_O, "use_counts(buffers) -> list[int]"},
+    {"view_record", view_record, METH_O, "view_record(tensors) -> list[int] (Note [Exact views])"},
     {"set_cpu_kernels", ruda::set_cpu_kernels, METH_O,
      "set_cpu_kernels(capsule) -> str (Note [CPU ISA at run time])"},
     {"cpu_supports", ruda::cpu_supports, METH_NOARGS,

@@ -35,10 +35,12 @@ slice (made with ``set_``, so that it is not an autograd view and has a version 
 its own) that the optimizer makes ``p.grad``; backward accumulates into it in place
 (AccumulateGrad adds into an existing gradient when grad mode is off). Three facts are
 kept per bucket, and checked by one C loop per step (``_C.flat_check``):
-- which gradients are still their views: ``p.grad`` is the view object, and the view's
-  memory is still its slice (checked when the buffer's sharing count changed, the
-  proxy used for state views below). Any other gradient (assigned, None, allocated by
-  backward after ``model.zero_grad()``) makes the step take the bucket's gradients
+- which gradients are still their views: ``p.grad`` is the view object, and the view is
+  still exactly the view of its slice: storage, offset, dtype, sizes and strides (Note
+  [Exact views] in csrc/module.cpp: ``p.grad.data = t``, ``t_()``, ``resize_`` are all
+  seen, whatever else shares the buffer). Any other gradient (assigned, None, allocated by
+  backward after ``model.zero_grad()``, or the view re-pointed or re-shaped in place; a
+  view that is no longer exact is made anew) makes the step take the bucket's gradients
   where they are, as without flat_grads, and afterwards copy them into the views and put
   the views back (``adopt_grads``): never a step from a stale buffer;
 - which views were written since ``zero_grad()``: ``clean[i]`` is the view's version
@@ -58,9 +60,10 @@ derived from: the identities of the param_groups list, of each group dict and of
 fused group's parameter list and parameters, the ``fused_step``/``amsgrad``/
 ``master_weights`` flags, the identity of the state mapping and of every (key, value) in
 it, of every item of the state entry of a fused parameter, the dtype, device, shape and
-strides of every fused parameter, and how many tensors
-share each bucket buffer (``view.data = t`` keeps the view object but moves it off the
-buffer, which lowers that count). Before every step,
+strides of every fused parameter, and what every state view in the entries is (its
+storage, offset, dtype, sizes and strides, Note [Exact views] in csrc/module.cpp:
+``view.data = t`` or ``view.t_()`` keeps the view object but changes what it shows).
+Before every step,
 ``FusedPlan.is_current`` compares all of it: a few Python checks per param group and one
 loop over pointers in C (``_C.unchanged``), a fraction of a millisecond for 20,000
 parameters. Any difference, whatever made it (``load_state_dict`` of ours, torch's or
@@ -88,9 +91,10 @@ replaced, added or removed in a group, ``p.data = ...`` with another shape, a to
 A rejected derivation writes nothing and raises, and so does the step that asked for it.
 Only identities are compared, never values: an in-place write into a state view
 (``state[p]["exp_avg"].zero_()``, ``state[p]["step"].fill_(0)``) is a write into the
-bucket itself and needs nothing. The sharing count is a cheap proxy (one integer per
-buffer rather than one address per view): a moved view is noticed unless another view of
-the same buffer is created and kept at the same time. A tensor taken out of ``optimizer.state`` may still
+bucket itself and needs nothing. The views are checked as facts (Note [Exact views]), not
+through a proxy such as the buffer's sharing count, which another tensor kept on the
+buffer defeats; the cost is one TensorImpl read per view, in the same prefetched C loop.
+DTensor state views (FSDP2) are checked by identity. A tensor taken out of ``optimizer.state`` may still
 share memory with the slot it came from (adoption copies in place rather than doubling
 the memory of the bucket).
 """
@@ -162,6 +166,7 @@ class Bucket:
         # views[i]: the state values this bucket put into entries[i] (the state entry of
         # params[i]), or None while params[i] has no state.
         self.views: list[dict | None] = [None] * len(params)
+        self.facts: list[dict | None] = [None] * len(params)  # of views[i], by key
         self.entries: list = [None] * len(params)
         self.n_with_state = 0
         self.zeroed = [True] * len(params)  # slot i holds zeros (fresh buffers do)
@@ -178,6 +183,7 @@ class Bucket:
         self.replaced_in_a_row = 0  # steps in a row that found views replaced
         if flat:
             self.grad_flat = torch.zeros(total, dtype=self.dtype, device=self.device)
+            self.grad_facts = [None] * len(params)  # view_record of each view
             self.grad_views = [self._grad_view(i) for i in range(len(params))]
             self.clean = torch.full((len(params),), -1, dtype=torch.int64)
 
@@ -227,11 +233,21 @@ class Bucket:
         view = torch.empty(0, dtype=t.dtype, device=t.device)
         storage, offset = self.grad_flat.untyped_storage(), self.offsets[i]
         if i in self.staged:
-            return view.set_(storage, offset, t.shape)  # contiguous
-        return view.set_(storage, offset, t.shape, t.stride())
+            view.set_(storage, offset, t.shape)  # contiguous
+        else:
+            view.set_(storage, offset, t.shape, t.stride())
+        self.grad_facts[i] = _C.view_record([view])
+        return view
 
-    def _grad_address(self, i: int) -> int:
-        return self.grad_flat.data_ptr() + self.grad_flat.element_size() * self.offsets[i]
+    def _exact_view(self, i: int) -> torch.Tensor:
+        """grad_views[i], made again (and the handle with it) when it is no longer exactly
+        the view of slot i (Note [Exact views] in csrc/module.cpp): ``p.grad.data = t``,
+        ``set_``, ``t_()``, ``resize_``, a new dtype all change the view object itself."""
+        view = self.grad_views[i]
+        if _C.view_record([view]) != self.grad_facts[i]:
+            view = self.grad_views[i] = self._grad_view(i)
+            self._handle = None
+        return view
 
     @property
     def flat(self) -> bool:
@@ -262,19 +278,21 @@ class Bucket:
         replaced gradient is copied into the view, a missing one leaves the view zero and
         unwritten (the parameter still has no gradient for the step)."""
         for i in indices:
-            p, view = self.params[i], self.grad_views[i]
+            p = self.params[i]
             g = p.grad
-            if view.numel() and view.data_ptr() != self._grad_address(i):
-                # The view itself was moved off the buffer (``p.grad.data = ...``): a new
-                # view takes its place, and a new handle holds it.
-                view = self.grad_views[i] = self._grad_view(i)
-                self._handle = None
+            view = self._exact_view(i)
             if g is None:
                 view.zero_()
                 self.clean[i] = view._version
             else:
                 if g is not view:
-                    view.copy_(local(g))
+                    g = local(g)
+                    if (
+                        g.untyped_storage().data_ptr()
+                        == self.grad_flat.untyped_storage().data_ptr()
+                    ):
+                        g = g.clone()  # the old view itself, re-strided (``t_()``): overlaps
+                    view.copy_(g)
                 self.clean[i] = -1
             p.grad = view
 
@@ -285,7 +303,7 @@ class Bucket:
         had_none = [i for i in replaced if self.params[i].grad is None]
         self.grad_flat.zero_()
         for i in replaced:
-            self.params[i].grad = self.grad_views[i]
+            self.params[i].grad = self._exact_view(i)
         _C.flat_mark(self.handle(), self.clean, set_to_none)
         for i in had_none:  # as torch: a missing gradient stays missing without set_to_none
             self.clean[i] = self.grad_views[i]._version
@@ -322,19 +340,9 @@ class Bucket:
             mine = views.get(key)
             if (entry.get(key) is not mine) if mine is not None else (key in entry):
                 return False
-            if (
-                type(mine) is torch.Tensor
-                and mine.numel() > 0  # an empty view has no memory to move
-                and mine.data_ptr() != self._address(key, i)
-            ):
-                return False
+            if type(mine) is torch.Tensor and _C.view_record([mine]) != self.facts[i][key]:
+                return False  # no longer exactly the view install() made
         return True
-
-    def _address(self, key: str, i: int) -> int:
-        if key == "step":
-            return self.steps.data_ptr() + 4 * i
-        buf = self._buffer(key)
-        return buf.data_ptr() + buf.element_size() * self.offsets[i]
 
     def write_slot(self, i: int, step: float, values: dict) -> None:
         """Slot i := ``step`` and the moments in ``values`` (zeros for a missing one); the
@@ -366,12 +374,16 @@ class Bucket:
         if self.views[i] is None:
             self.n_with_state += 1
         self.views[i], self.entries[i] = views, entry
+        # Note [Exact views] in csrc/module.cpp: what owns() compares.
+        self.facts[i] = {
+            k: _C.view_record([v]) for k, v in views.items() if type(v) is torch.Tensor
+        }
 
     def forget(self, i: int) -> None:
         """params[i] has no state any more (its entry was removed or emptied)."""
         if self.views[i] is not None:
             self.n_with_state -= 1
-        self.views[i] = self.entries[i] = None
+        self.views[i] = self.entries[i] = self.facts[i] = None
 
     def init_fresh(self, i: int, state, amsgrad: bool) -> None:
         """Fresh zero state for params[i], at its first step with a gradient."""
@@ -489,6 +501,13 @@ def check_flat_param(p: torch.Tensor, where: str) -> None:
             f"flat_grads=True takes torch.Tensor and nn.Parameter parameters; {where} is a "
             f"{type(p).__name__}. Use flat_grads=False for its group"
         )
+    grad_dtype = getattr(p, "grad_dtype", p.dtype)  # torch 2.13+: a gradient dtype of its own
+    if grad_dtype is not None and grad_dtype != p.dtype:
+        raise ValueError(
+            f"flat_grads=True: {where} ({p.dtype}) has grad_dtype={grad_dtype}, but the flat "
+            "gradient buffer holds gradients in the parameters' dtype: pass flat_grads=False "
+            "for its group (or set its grad_dtype to None or its dtype)"
+        )
 
 
 def check_group_options(group: dict, gi) -> None:
@@ -508,10 +527,27 @@ def check_group_options(group: dict, gi) -> None:
         )
     seed = group.get("rounding_seed", 0)
     if isinstance(seed, bool) or not isinstance(seed, int):
-        raise ValueError(f"rounding_seed must be an int{where}, got {type(seed).__name__}")
+        raise ValueError(f"rounding_seed must be an int{where}, got {type(seed).__name__} {seed!r}")
+    if not -(2**63) <= seed < 2**64:
+        raise ValueError(
+            f"rounding_seed must be a 64-bit value (-2**63 <= seed < 2**64){where}, got {seed}: "
+            "the kernels hash its 64 bits, so a larger value would be reduced silently"
+        )
+
+
+def check_bucket_options(group: dict, gi: int, buckets: list) -> None:
+    """What check_fused_param checks of a group's options per parameter dtype, per bucket
+    (one dtype each): run before every step, where the options may have changed."""
+    if group.get("stochastic_rounding") and any(b.dtype == torch.float16 for b in buckets):
+        raise ValueError(
+            f"stochastic_rounding=True is implemented for bfloat16 parameters; param group "
+            f"{gi} has float16 parameters. Use master_weights=True for float16 parameters"
+        )
 
 
 def check_no_duplicates(params: list, gi: int) -> None:
+    """A step would update a listed-twice parameter twice: refused when the step's plan
+    is made (torch.optim warns at construction, see AdamW.add_param_group)."""
     seen: dict[int, int] = {}
     for j, p in enumerate(params):
         first = seen.setdefault(id(p), j)
@@ -540,21 +576,21 @@ class FusedPlan:
         self._state = opt.state
         containers = [opt.state]
         expected = [x for item in opt.state.items() for x in item]
-        tensors, buffers = [], []
+        tensors, views = [], []
         for _, group, buckets in self.groups:
             containers.append(group["params"])
             expected.extend(group["params"])
             for b in buckets:
                 tensors.extend(b.params)
-                buffers.extend(b.buffers)
-                for entry in b.entries:
+                for entry, mine in zip(b.entries, b.views, strict=True):
                     if entry is not None:
                         containers.append(entry)
                         expected.extend(x for item in entry.items() for x in item)
+                        views.extend(v for v in mine.values() if type(v) is torch.Tensor)
         self._params_lists = [g["params"] for _, g, _ in self.groups]
         shapes = torch.tensor(_C.layout_record(tensors), dtype=torch.int64)
-        counts = torch.tensor(_C.use_counts(buffers), dtype=torch.int64)
-        self._check = (containers, expected, tensors, shapes, buffers, counts)
+        facts = torch.tensor(_C.view_record(views), dtype=torch.int64)
+        self._check = (containers, expected, tensors, shapes, views, facts)
 
     def is_current(self, opt) -> bool:
         groups = opt.param_groups
@@ -590,6 +626,12 @@ def split_group(opt, gi: int, group: dict, needs_global: bool) -> list:
     check_group_options(group, gi)
     for j, p in enumerate(params):
         check_fused_param(p, gi, j, group)
+        if opt.hierarchical_stats and p.dtype == torch.float64:
+            raise ValueError(
+                f"hierarchical_stats=True reads FP32, FP16 and BF16 gradients; param group {gi} "
+                f"parameter {j} is float64 (FP64 gradients). Use max_grad_norm without "
+                "hierarchical_stats for FP64 models"
+            )
     check_no_duplicates(params, gi)
     by_key: dict = {}
     for j, p in enumerate(params):

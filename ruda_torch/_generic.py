@@ -87,6 +87,8 @@ def update(p, grad, st, group, grad_scale, found_inf, clip_coef) -> None:
     in FP64 and cast once, as in the kernels (Note [Bias correction])."""
     beta1, beta2 = group["betas"]
     lr, eps, wd = group["lr"], group["eps"], group["weight_decay"]
+    if isinstance(lr, torch.Tensor):
+        lr = lr.reshape(())  # torch accepts any one-element shape ([1], [1, 1], ...)
     # DTensor parameters are updated through their local shards, like the fused path.
     p, grad = local(p), local(grad)
     st = {k: local(v) for k, v in st.items()}

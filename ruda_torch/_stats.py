@@ -100,14 +100,17 @@ def gradient_report(
     return final
 
 
-def _square_norm(g: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """||g||^2 as an FP32 scalar on ``device``. FP32 and 16-bit gradients are summed in
+_DOUBLE = (torch.float64, torch.complex128)
+
+
+def _square_norm(g: torch.Tensor, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """||g||^2 as a ``dtype`` scalar on ``device``. FP32 and 16-bit gradients are summed in
     FP32; FP64 and complex ones in their own precision (vector_norm cannot lower it)."""
     if g.dtype in (torch.float32, torch.float16, torch.bfloat16):
         norm = torch.linalg.vector_norm(g, dtype=torch.float32)
     else:
-        norm = torch.linalg.vector_norm(g).to(torch.float32)
-    return norm.to(device).square()
+        norm = torch.linalg.vector_norm(g)
+    return norm.to(device, dtype).square()
 
 
 def tensor_norm_clip(max_grad_norm, fused_calls, generic, buckets, grad_scale, partition_group):
@@ -135,11 +138,14 @@ def tensor_norm_clip(max_grad_norm, fused_calls, generic, buckets, grad_scale, p
         first = grads[0].device
     else:
         first = buckets[0].device if buckets else torch.device("cpu")
-    squares = [torch.zeros((), dtype=torch.float32, device=first)]
+    # FP64 (as clip_grad_norm_) where any gradient is FP64: its coefficient is not rounded
+    # to FP32 for FP64 parameters (the fused kernel reads it as FP32, as its report).
+    acc = torch.float64 if any(g.dtype in _DOUBLE for g in grads) else torch.float32
+    squares = [torch.zeros((), dtype=acc, device=first)]
     for scope, gs in by_scope.items():
-        sq = torch.zeros((), dtype=torch.float32, device=first)
+        sq = torch.zeros((), dtype=acc, device=first)
         for g in gs:
-            sq = sq + _square_norm(g, first)
+            sq = sq + _square_norm(g, first, acc)
         squares.append(globalize_sum(sq, scope))
     total = torch.stack(squares).sum()
     if partition_group is not None:

@@ -17,9 +17,18 @@ def check_hyperparameters(lr, betas, eps, weight_decay, read_values: bool = True
     if isinstance(lr, torch.Tensor):
         if lr.numel() != 1:
             raise ValueError("Tensor lr must be 1-element")
-        if lr.is_complex() or not lr.is_floating_point():
-            raise ValueError(f"Tensor lr must be a floating tensor, got {lr.dtype}")
-        if read_values and not lr.is_meta:
+        if lr.dtype not in (torch.float32, torch.float64):
+            raise ValueError(
+                f"Tensor lr must be float32 or float64, got {lr.dtype}: the kernels read an FP32 "
+                "or FP64 value (a 16-bit lr would be rounded to 8 or 11 bits of mantissa); "
+                "pass lr.float() or a Python float"
+            )
+        if lr.is_meta:
+            raise ValueError(
+                "Tensor lr is on the meta device and holds no value: give it a value on the "
+                "CPU or the parameters' device (or pass a Python float)"
+            )
+        if read_values:
             value = float(lr.detach().reshape(()).cpu())
             if not 0.0 <= value or not math.isfinite(value):
                 raise ValueError(f"Invalid learning rate: {lr}")

@@ -20,6 +20,8 @@ from __future__ import annotations
 import torch
 from torch.amp.grad_scaler import OptState
 
+from . import _C
+
 __all__ = ["GradScaler"]
 
 
@@ -40,6 +42,11 @@ class GradScaler(torch.amp.GradScaler):
             raise RuntimeError("step() has already been called since the last update().")
         if state["stage"] is OptState.UNSCALED:  # unscale_ ran its pass already
             return super().step(optimizer, *args, **kwargs)
+        if not any(g.get("params") and _C.grads_of(list(g["params"]))[1] < len(g["params"])
+                   for g in optimizer.param_groups):  # fmt: skip
+            # torch.amp.GradScaler's own check (its pass found no gradient to inspect): a
+            # step without gradients must not count as a finite one and grow the scale.
+            raise AssertionError("No inf checks were recorded for this optimizer.")
         optimizer.grad_scale = self._get_scale_async() * getattr(optimizer, "grad_scale", 1)
         optimizer.found_inf = None
         try:

@@ -30,7 +30,7 @@ import copy
 import functools
 import operator
 import warnings
-from collections import defaultdict
+from collections import OrderedDict, defaultdict
 from dataclasses import dataclass
 
 import torch
@@ -288,7 +288,8 @@ class AdamW(Optimizer):
                 _fused.check_fused_param(p, gi, j, merged, built=False)
                 if self.hierarchical_stats and isinstance(p, torch.Tensor):
                     _check_stats_dtype(p.dtype, gi)
-            _fused.check_no_duplicates(tensors, gi)
+        # A parameter listed twice gets torch's warning here (torch's add_param_group) and,
+        # on the fused path, an error at the step that would update it twice.
         super().add_param_group({**param_group, "params": params})
 
     def _wide_keys_of(self, param_group: dict) -> dict:
@@ -352,7 +353,34 @@ class AdamW(Optimizer):
         non-negative integers); a rejected load leaves the optimizer as it was. Options
         missing from the checkpoint (``fused_step``) keep their current values. The
         buckets adopt the loaded values (Note [Fused state coherence]).
+
+        torch's load hooks run where torch runs them: the pre-hooks first, on a shallow
+        copy, and what they return is what is validated and loaded; the post-hooks last,
+        after the buckets adopted the load, so that a state they replace is what the next
+        step uses.
         """
+        state_dict = state_dict.copy()  # shallow, as torch (the pre-hooks may mutate it)
+        for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
+            result = pre_hook(self, state_dict)
+            if result is not None:
+                state_dict = result
+        saved_hooks = (
+            self._optimizer_load_state_dict_pre_hooks,
+            self._optimizer_load_state_dict_post_hooks,
+        )
+        self._optimizer_load_state_dict_pre_hooks = OrderedDict()  # ran above
+        self._optimizer_load_state_dict_post_hooks = OrderedDict()  # run below
+        try:
+            self._load_state_dict(state_dict)
+        finally:
+            (
+                self._optimizer_load_state_dict_pre_hooks,
+                self._optimizer_load_state_dict_post_hooks,
+            ) = saved_hooks
+        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
+            post_hook(self)
+
+    def _load_state_dict(self, state_dict: dict) -> None:
         groups = state_dict["param_groups"]
         if len(groups) != len(self.param_groups):
             raise ValueError(
@@ -437,11 +465,14 @@ class AdamW(Optimizer):
         # Phase 1: gather and validate everything; nothing is written before phase 2.
         if self.hierarchical_stats or self.max_grad_norm is not None:
             self._check_whole_groups()
-        for group in self.param_groups:
+        for gi, group in enumerate(self.param_groups):
             check_hyperparameters(
                 group["lr"], group["betas"], group["eps"], group["weight_decay"], read_values=False
             )
+            _fused.check_group_options(group, gi)  # as at construction: they may have changed
         plan = self._current_plan()
+        for gi, group, buckets in plan.groups:
+            _fused.check_bucket_options(group, gi, buckets)
         calls: list[_FusedCall] = []
         fresh: list[tuple[_fused.Bucket, int, bool]] = []  # slots that get state now
         readopt: list[tuple[_fused.Bucket, list[int]]] = []  # flat views to put back
@@ -551,8 +582,11 @@ class AdamW(Optimizer):
                 self.max_grad_norm, calls, (norm_grads, norm_scopes), plan.buckets,
                 grad_scale, self.partition_group,
             )  # fmt: skip
+        fused_clip = clip_coef  # the kernels read an FP32 coefficient
+        if clip_coef is not None and clip_coef.dtype != torch.float32:
+            fused_clip = clip_coef.to(torch.float32)
         for c in calls:
-            self._run(ops.adamw_scaled_, c, grad_scale, found_inf, stats, clip_coef, per_device)
+            self._run(ops.adamw_scaled_, c, grad_scale, found_inf, stats, fused_clip, per_device)
         for group, params, grads in generic:
             for p, grad in zip(params, grads, strict=True):
                 dev = p.device

@@ -766,10 +766,24 @@ def test_named_parameters_like_torch(fused, tmp_path):
     assert_bitwise_twins(ours, resumed, "resumed through torch.save/torch.load(weights_only)")
 
 
-def test_duplicate_parameter_in_a_fused_group_is_rejected_at_construction():
+@pytest.mark.parametrize("fused", [False, True], ids=["generic", "fused"])
+def test_duplicate_parameter_warns_as_torch_and_the_fused_step_refuses(fused):
+    """torch warns at construction (its add_param_group; torch's test_errors expects the
+    warning); the fused step, which would update the parameter twice, refuses, writing
+    nothing."""
     p = nn.Parameter(torch.randn(4))
-    with pytest.raises(ValueError, match="twice"):
-        ruda_torch.AdamW([p, p], fused_step=True)
+    with pytest.warns(UserWarning, match="duplicate parameters"):
+        opt = ruda_torch.AdamW([p, p], fused_step=fused)
+    with pytest.warns(UserWarning, match="duplicate parameters"):
+        torch.optim.AdamW([p, p])
+    p.grad = torch.randn(4)
+    before = p.detach().clone()
+    if fused:
+        with pytest.raises(ValueError, match="lists the same parameter twice"):
+            opt.step()
+        assert torch.equal(p, before) and not opt.state
+    else:
+        opt.step()  # torch's for-loop path too steps it twice
 
 
 # --------------------------------------------------------------------------- options

@@ -447,6 +447,19 @@ def scenario_placement_meaning(rank: int, workdir: str) -> None:
     with pytest.raises(ValueError, match="Partial placement on mesh dimension 0.*redistribute"):
         scope_of(Fake(mesh, (Partial(), Replicate())), None, True, "p")
 
+    # A destroyed process group: an error that says so (torch's lookup raised a bare
+    # KeyError), at the step and at construction.
+    group = dist.new_group(list(range(WORLD)))
+    p = nn.Parameter(torch.randn(3))
+    opt = ruda_torch.AdamW([p], fused_step=True, max_grad_norm=1.0, process_group=group)
+    dist.destroy_process_group(group)
+    p.grad = torch.randn(3)
+    with pytest.raises(ValueError, match="process group .* is not a registered process group"):
+        opt.step()
+    assert torch.equal(p.grad, p.grad) and not opt.state
+    with pytest.raises(ValueError, match="partition_group .* is not a registered process group"):
+        ruda_torch.AdamW([p], partition_group=group)
+
 
 def test_placements_by_meaning(tmp_path):
     run_scenario(tmp_path, "test_meshes:scenario_placement_meaning", world=WORLD)

@@ -416,6 +416,6 @@ def test_hierarchical_stats_rejects_float64_params_before_any_write():
     q.data = q.data.double()
     q.grad = torch.randn(10, dtype=torch.float64)
     before = q.detach().clone()
-    with pytest.raises(ValueError, match="param group 0 has float64 parameters"):
+    with pytest.raises(ValueError, match="param group 0 parameter 0 is float64"):
         opt.step()
     assert torch.equal(q, before) and len(opt.state) == 0

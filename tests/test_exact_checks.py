@@ -1,0 +1,394 @@
+"""Exact checks, never proxies (Note [Exact views] in csrc/module.cpp): whatever legal
+sequence of calls changes a flat gradient view or a state view, the next step sees it,
+side by side with torch.optim.AdamW doing the same calls.
+
+Each case once stepped a stale or wrongly shaped gradient, or ignored a replaced state
+tensor, because the check stood in for the fact: a buffer's sharing count for "did this
+view move" (defeated by any other tensor that keeps a reference to the buffer), and
+identity + address for "is this still the gradient of that shape" (defeated by in-place
+metadata changes such as ``t_()`` or ``resize_``).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import ruda_torch
+
+HP = dict(lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2)
+STEPS = 3
+
+
+def _model() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(5, 5), nn.Tanh(), nn.Linear(5, 5))
+
+
+def _make(kind: str, model):
+    if kind == "torch":
+        return torch.optim.AdamW(model.parameters(), **HP, foreach=False)
+    return ruda_torch.AdamW(model.parameters(), **HP, fused_step=True, flat_grads=kind == "flat")
+
+
+def _run(kind: str, action, steps: int = STEPS):
+    """Train; ``action(model, opt, step)`` runs between backward and step. Returns the
+    parameters (and the optimizer), or the exception the step raised with the
+    parameters as they were then."""
+    model = _model()
+    opt = _make(kind, model)
+    keep = []
+    for step in range(steps):
+        opt.zero_grad()
+        x = torch.randn(4, 5, generator=torch.Generator().manual_seed(step))
+        model(x).square().sum().backward()
+        keep.append(action(model, opt, step))  # kept alive: the references defeat proxies
+        before = [p.detach().clone() for p in model.parameters()]
+        try:
+            opt.step()
+        except RuntimeError as e:
+            if kind != "torch":  # ours is all or nothing; torch's decays before it raises
+                after = [p.detach() for p in model.parameters()]
+                assert all(torch.equal(a, b) for a, b in zip(after, before, strict=True))
+            opt.zero_grad()  # still works, and puts the views back
+            return e, model, opt
+    opt.zero_grad()
+    return None, model, opt
+
+
+def _params(model) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+def _same_as_torch(action, steps: int = STEPS) -> None:
+    err_t, torch_model, _ = _run("torch", action, steps)
+    assert err_t is None, err_t
+    _, plain, _ = _run("plain", action, steps)
+    err, flat, _ = _run("flat", action, steps)
+    assert err is None, err
+    # flat_grads=True promises the bits of flat_grads=False; both follow torch.
+    assert torch.equal(_params(flat), _params(plain))
+    torch.testing.assert_close(_params(flat), _params(torch_model), rtol=2e-6, atol=1e-7)
+
+
+# ------------------------------------------------------------------ flat gradient views
+
+
+def test_grad_data_replaced_while_another_tensor_keeps_the_buffer():
+    def share(model, opt, step):  # one view takes another's memory: sharing count kept
+        model[2].bias.grad.data = model[0].bias.grad.data
+
+    _same_as_torch(share)
+
+
+def test_grad_data_replaced_while_a_detached_view_is_kept():
+    def replace(model, opt, step):
+        kept = model[2].weight.grad.detach()  # keeps the buffer's count up
+        model[0].weight.grad.data = torch.full_like(model[0].weight, 0.5)
+        return kept
+
+    _same_as_torch(replace)
+
+
+def test_grad_transposed_in_place_is_stepped_transposed():
+    def transpose(model, opt, step):
+        model[0].weight.grad.t_()  # square: same memory, other strides
+
+    _same_as_torch(transpose)
+
+
+@pytest.mark.parametrize("change", ["resize_", "unsqueeze_"])
+def test_grad_reshaped_in_place_is_refused_as_torch(change):
+    def reshape(model, opt, step):
+        g = model[0].weight.grad
+        g.resize_(2) if change == "resize_" else g.unsqueeze_(0)
+
+    err_t, _, _ = _run("torch", reshape)
+    err, _, opt = _run("flat", reshape)
+    assert err_t is not None and err is not None
+    assert "must have the same shape as params" in str(err)
+    # zero_grad put an exact view back: the next step is a normal one.
+    p = opt.param_groups[0]["params"][0]
+    assert p.grad.shape == p.shape and p.grad.is_contiguous()
+
+
+def test_grad_data_of_another_dtype_does_not_break_zero_grad():
+    def half(model, opt, step):
+        model[0].weight.grad.data = model[0].weight.grad.data.half()
+
+    err, model, opt = _run("flat", half)
+    assert err is None  # a 16-bit gradient of an FP32 parameter, as with flat_grads=False
+    _, plain, _ = _run("plain", half)
+    assert torch.equal(_params(model), _params(plain))
+    p = model[0].weight
+    assert p.grad.dtype == p.dtype and p.grad.shape == p.shape  # the view is back
+
+
+def test_grad_dtype_is_refused_with_flat_grads():
+    model = _model()
+    model[0].weight.grad_dtype = torch.bfloat16
+    with pytest.raises(ValueError, match="grad_dtype.*flat_grads=False"):
+        ruda_torch.AdamW(model.parameters(), fused_step=True, flat_grads=True)
+    ruda_torch.AdamW(model.parameters(), fused_step=True)  # accepted without flat_grads
+
+
+# ------------------------------------------------------------------ state views
+
+
+def test_state_data_replaced_while_another_tensor_keeps_the_buffer():
+    def replace(model, opt, step):
+        if step != 1:
+            return None
+        ps = list(model.parameters())
+        kept = opt.state[ps[1]]["exp_avg"].detach()  # shares the bucket buffer: the
+        opt.state[ps[0]]["exp_avg"].data = torch.zeros_like(ps[0])  # count stays equal
+        return kept
+
+    err_t, torch_model, torch_opt = _run("torch", replace)
+    for kind in ("plain", "flat"):
+        err, model, opt = _run(kind, replace)
+        assert err is None
+        torch.testing.assert_close(_params(model), _params(torch_model), rtol=2e-6, atol=1e-7)
+        for p, q in zip(model.parameters(), torch_model.parameters(), strict=True):
+            for key in ("exp_avg", "exp_avg_sq"):
+                torch.testing.assert_close(opt.state[p][key], torch_opt.state[q][key],
+                                           rtol=2e-6, atol=1e-9)  # fmt: skip
+
+
+def test_state_view_reshaped_in_place_is_noticed():
+    """``t_()`` of a square moment keeps memory and count: only the strides tell."""
+
+    def transpose(model, opt, step):
+        if step == 1:
+            opt.state[model[0].weight]["exp_avg"].t_()
+
+    _same_as_torch(transpose)
+
+
+# ------------------------------------------------------------------ load hooks
+
+
+def _trained(kind: str, fused: bool = True):
+    model = _model()
+    opt = (torch.optim.AdamW(model.parameters(), **HP, foreach=False) if kind == "torch"
+           else ruda_torch.AdamW(model.parameters(), **HP, fused_step=fused))  # fmt: skip
+    for step in range(2):
+        opt.zero_grad()
+        model(torch.randn(4, 5, generator=torch.Generator().manual_seed(step))).sum().backward()
+        opt.step()
+    return model, opt
+
+
+def _continue(model, opt) -> torch.Tensor:
+    opt.zero_grad()
+    model(torch.randn(4, 5, generator=torch.Generator().manual_seed(9))).sum().backward()
+    opt.step()
+    return _params(model)
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["generic", "fused"])
+def test_load_state_dict_pre_hook_result_is_what_loads(fused):
+    def halve(optimizer, state_dict):
+        new = {"param_groups": state_dict["param_groups"], "state": {}}
+        for k, st in state_dict["state"].items():
+            new["state"][k] = {**st, "exp_avg": st["exp_avg"] * 0.5, "step": st["step"] + 3}
+        return new
+
+    results = []
+    for kind in ("torch", "ours"):
+        model, opt = _trained(kind, fused)
+        saved = opt.state_dict()
+        opt.register_load_state_dict_pre_hook(halve)
+        opt.load_state_dict(saved)
+        p = next(iter(model.parameters()))
+        assert float(opt.state[p]["step"]) == 5.0
+        results.append(_continue(model, opt))
+    torch.testing.assert_close(results[1], results[0], rtol=2e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["generic", "fused"])
+def test_load_state_dict_pre_hook_may_drop_a_parameter(fused):
+    """A checkpoint with one parameter more than the optimizer: a pre-hook drops it."""
+
+    def drop_last(optimizer, state_dict):
+        group = dict(state_dict["param_groups"][0])
+        last = group["params"][-1]
+        group["params"] = group["params"][:-1]
+        state = {k: v for k, v in state_dict["state"].items() if k != last}
+        return {"param_groups": [group], "state": state}
+
+    results = []
+    for kind in ("torch", "ours"):
+        model, opt = _trained(kind, fused)
+        saved = opt.state_dict()
+        smaller = list(model.parameters())[:-1]
+        opt2 = (torch.optim.AdamW(smaller, **HP, foreach=False) if kind == "torch"
+                else ruda_torch.AdamW(smaller, **HP, fused_step=fused))  # fmt: skip
+        opt2.register_load_state_dict_pre_hook(drop_last)
+        opt2.load_state_dict(saved)
+        results.append(_continue(model, opt2))
+    torch.testing.assert_close(results[1], results[0], rtol=2e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["generic", "fused"])
+def test_load_state_dict_post_hook_replacing_state_is_used(fused):
+    def reset_first(optimizer):
+        p = optimizer.param_groups[0]["params"][0]
+        optimizer.state[p] = {
+            "step": torch.tensor(1.0),
+            "exp_avg": torch.full_like(p, 0.01),
+            "exp_avg_sq": torch.full_like(p, 1e-4),
+        }
+
+    results = []
+    for kind in ("torch", "ours"):
+        model, opt = _trained(kind, fused)
+        saved = opt.state_dict()
+        opt.register_load_state_dict_post_hook(reset_first)
+        opt.load_state_dict(saved)
+        results.append(_continue(model, opt))
+    torch.testing.assert_close(results[1], results[0], rtol=2e-6, atol=1e-7)
+
+
+# ------------------------------------------------------------------ options before every step
+
+
+def _bf16_or_fp16(dtype, **kwargs):
+    torch.manual_seed(3)
+    p = nn.Parameter(torch.randn(97).to(dtype))
+    opt = ruda_torch.AdamW([p], **HP, fused_step=True, **kwargs)
+    p.grad = torch.randn(97).to(dtype)
+    return p, opt
+
+
+def test_group_options_are_validated_before_every_step():
+    p, opt = _bf16_or_fp16(torch.float16)
+    opt.param_groups[0]["stochastic_rounding"] = True  # refused at construction too
+    before = p.detach().clone()
+    with pytest.raises(ValueError, match="stochastic_rounding=True is implemented for bfloat16"):
+        opt.step()
+    assert torch.equal(p, before) and not opt.state
+    generic = ruda_torch.AdamW([nn.Parameter(torch.randn(3))])
+    generic.param_groups[0]["master_weights"] = True
+    generic.param_groups[0]["params"][0].grad = torch.randn(3)
+    with pytest.raises(ValueError, match="require fused_step=True"):
+        generic.step()
+    assert not generic.state
+    p, opt = _bf16_or_fp16(torch.bfloat16)
+    opt.param_groups[0]["rounding_seed"] = "7"
+    with pytest.raises(ValueError, match="rounding_seed must be an int .* got str '7'"):
+        opt.step()
+
+
+@pytest.mark.parametrize("seed", [2**64, -(2**63) - 1, 2**70])
+def test_rounding_seed_out_of_64_bits_is_refused(seed):
+    with pytest.raises(ValueError, match="rounding_seed must be a 64-bit value"):
+        ruda_torch.AdamW([nn.Parameter(torch.randn(3))], fused_step=True, rounding_seed=seed)
+
+
+def test_an_accepted_option_change_takes_effect():
+    """stochastic_rounding switched on after construction steps as if built with it."""
+    p, opt = _bf16_or_fp16(torch.bfloat16)
+    opt.param_groups[0]["stochastic_rounding"] = True
+    opt.param_groups[0]["rounding_seed"] = 2**64 - 1
+    opt.step()
+    q, ref = _bf16_or_fp16(torch.bfloat16, stochastic_rounding=True, rounding_seed=2**64 - 1)
+    ref.step()
+    assert torch.equal(p.view(torch.int16), q.view(torch.int16))
+    r, nearest = _bf16_or_fp16(torch.bfloat16)
+    nearest.step()
+    assert not torch.equal(p.view(torch.int16), r.view(torch.int16))
+
+
+# ------------------------------------------------------------------ atomic steps
+
+
+def test_meta_tensor_lr_is_refused_before_any_write():
+    p = nn.Parameter(torch.randn(5))
+    opt = ruda_torch.AdamW([p])
+    opt.param_groups[0]["lr"] = torch.tensor(1e-3, device="meta")
+    p.grad = torch.randn(5)
+    with pytest.raises(ValueError, match="meta device"):
+        opt.step()
+    assert not opt.state  # no counter advanced, no state created
+
+
+def test_float64_parameter_under_statistics_is_refused_before_buckets_change():
+    model = _model()
+    opt = ruda_torch.AdamW(model.parameters(), fused_step=True, hierarchical_stats=True)
+    model(torch.randn(2, 5)).sum().backward()
+    opt.step()
+    plan = opt._plan
+    state = {k: v.clone() for k, v in opt.state[model[0].weight].items()}
+    model[0].weight.data = model[0].weight.data.double()
+    model[0].weight.grad = torch.randn_like(model[0].weight)
+    with pytest.raises(ValueError, match="parameter 0 is float64"):
+        opt.step()
+    assert opt._plan is plan  # the buckets were not rebuilt
+    for k, v in state.items():
+        assert torch.equal(opt.state[model[0].weight][k], v)
+
+
+# ------------------------------------------------------------------ smaller ones
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_16_bit_tensor_lr_is_refused(dtype):
+    with pytest.raises(ValueError, match="Tensor lr must be float32 or float64"):
+        ruda_torch.AdamW([nn.Parameter(torch.randn(3))], lr=torch.tensor(1e-3, dtype=dtype))
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["generic", "fused"])
+@pytest.mark.parametrize("shape", [(), (1,), (1, 1)], ids=["0-d", "1-d", "2-d"])
+def test_tensor_lr_of_any_one_element_shape(fused, shape):
+    """torch's test_tensor_lr: a 2-d lr tensor failed on the generic path."""
+    results = []
+    for lr in (1e-3, torch.tensor(1e-3).reshape(shape)):
+        torch.manual_seed(0)
+        w, b = nn.Parameter(torch.randn(10, 5)), nn.Parameter(torch.randn(10))  # as torch's
+        opt = ruda_torch.AdamW([w, b], lr=lr, fused_step=fused)
+        for _ in range(2):
+            w.grad, b.grad = torch.randn(10, 5), torch.randn(10)
+            opt.step()
+        results.append(torch.cat([w.detach().reshape(-1), b.detach()]))
+    assert torch.equal(results[0], results[1])
+
+
+def test_grad_scaler_without_gradients_raises_as_torch():
+    """torch's scaler raises when its pass saw no gradient; ours must not grow the scale."""
+    cases = [
+        (torch.amp.GradScaler, lambda ps: torch.optim.AdamW(ps)),  # the reference
+        (ruda_torch.amp.GradScaler,
+         lambda ps: ruda_torch.AdamW(ps, fused_step=True, hierarchical_stats=True)),
+    ]  # fmt: skip
+    for scaler_cls, make in cases:
+        scaler = scaler_cls("cpu", init_scale=2.0**8, growth_interval=1)
+        p = nn.Parameter(torch.randn(3))
+        opt = make([p])
+        scaler.scale(p.sum())  # the scale exists, but no backward gave a gradient
+        with pytest.raises(AssertionError, match="No inf checks were recorded"):
+            scaler.step(opt)
+        assert scaler.get_scale() == 2.0**8
+
+
+def test_float64_clip_coefficient_is_float64():
+    """max_grad_norm on FP64 parameters (tensor-operation norm): the coefficient is FP64,
+    as clip_grad_norm_'s; an FP32 one was 3e-8 relative off."""
+    torch.manual_seed(5)
+    grads = [torch.randn(1025, dtype=torch.float64), torch.randn(97, dtype=torch.float64)]
+    for fused in (False, True):
+        ps = [nn.Parameter(torch.randn_like(g)) for g in grads]
+        twins = [nn.Parameter(p.detach().clone()) for p in ps]
+        ours = ruda_torch.AdamW(ps, **HP, max_grad_norm=0.5, fused_step=fused)
+        theirs = torch.optim.AdamW(twins, **HP, foreach=False)
+        for p, q, g in zip(ps, twins, grads, strict=True):
+            p.grad, q.grad = g.clone(), g.clone()
+        ours.step()
+        torch.nn.utils.clip_grad_norm_(twins, 0.5)
+        theirs.step()
+        for p, q in zip(ps, twins, strict=True):
+            # exp_avg = (1 - beta1) * clip * g carries the coefficient's precision.
+            m, m_ref = ours.state[p]["exp_avg"], theirs.state[q]["exp_avg"]
+            tol = 1e-13 if not fused else 1e-7  # the fused kernel reads it as FP32
+            torch.testing.assert_close(m, m_ref, rtol=tol, atol=0)
