@@ -51,7 +51,7 @@ BUILD_SWITCHES := RUDA_TORCH_CUDA=$(RUDA_TORCH_CUDA) CUDA_HOME=$(CUDA_HOME) \
 	TORCH_CUDA_ARCH_LIST=$(TORCH_CUDA_ARCH_LIST) RUDA_TORCH_CPU_ISA=$(RUDA_TORCH_CPU_ISA)
 
 .DEFAULT_GOAL := help
-.PHONY: help deps build test test-integrations test-cpu-torch demo bench regressions gpu-check check format versions clean distclean FORCE
+.PHONY: help deps build test test-integrations test-cpu-torch sdist test-packaging demo bench regressions gpu-check check format versions clean distclean FORCE
 
 help:
 	@echo "make test       set up .venv, build the extension, run the test suite"
@@ -62,6 +62,9 @@ help:
 	@echo "                transformers, accelerate, Lightning, DeepSpeed) and run tests/integrations"
 	@echo "make test-cpu-torch  build against the CPU-only torch 2.13.0 in .venv-cpu (CPU kernels"
 	@echo "                only) and run the kernel, optimizer and distributed tests there"
+	@echo "make sdist      build the sdist into build/sdist (python -m build, isolated)"
+	@echo "make test-packaging  sdist contents, isolated-build refusal, a wheel from the sdist"
+	@echo "                in a fresh venv (tools/check_packaging.sh)"
 	@echo "make regressions  oracle + host suites through tools/run_adamw_regressions.py (JSON record)"
 	@echo "make gpu-check  on a GPU machine: build, GPU tests, GPU benchmark (tools/gpu_check.sh)"
 	@echo "make check      ruff check, ruff format --check, clang-format --dry-run over csrc/"
@@ -207,16 +210,25 @@ $(CPU_VENV)/.stamp-deps:
 	$(CPU_VENV)/bin/python -m pip install $(CPU_TORCH) numpy pytest ninja setuptools wheel
 	@touch $@
 
-test-cpu-torch: $(CPU_VENV)/.stamp-deps
-	rm -rf build/cpu-torch-src && mkdir -p build/cpu-torch-src
-	tar cf - --exclude='*.so' --exclude=__pycache__ \
-		setup.py pyproject.toml README.md csrc ruda_torch | tar xf - -C build/cpu-torch-src
-	$(CPU_VENV)/bin/python -m pip install --no-build-isolation --no-deps -v build/cpu-torch-src
+# The sdist, built as maintainers do (`python -m build`, isolated: it needs no torch).
+sdist: $(DEPS_STAMP)
+	rm -rf build/sdist
+	$(PY) -m build --sdist --outdir build/sdist .
+
+# Installs the sdist (not a copy of the tree: a file missing from it fails here).
+test-cpu-torch: $(CPU_VENV)/.stamp-deps sdist
+	$(CPU_VENV)/bin/python -m pip install --no-build-isolation --no-deps --force-reinstall -v \
+		build/sdist/ruda_torch-*.tar.gz
 	cd build && ../$(CPU_VENV)/bin/python -c "import torch, ruda_torch; \
 		print('torch', torch.__version__, 'backends', ruda_torch.compiled_backends()); \
 		assert ruda_torch.compiled_backends() == ('cpu',)"
 	cd build && ../$(CPU_VENV)/bin/python -m pytest -q -p no:cacheprovider \
 		$(addprefix ../,$(CPU_TESTS))
+
+# tools/check_packaging.sh: the sdist's contents, the isolated-build refusal, a wheel from
+# the sdist in a fresh venv, and the import refusal under another torch (with .venv-cpu).
+test-packaging: $(BUILD_STAMP) sdist
+	bash tools/check_packaging.sh $(PY) $(CPU_VENV)
 
 # -------------------------------------------------------------------------------- cleanup
 

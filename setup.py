@@ -154,8 +154,33 @@ def isa_sources(isa):
     return out
 
 
+# setup.py commands that compile the extension (directly or through a wheel); the others
+# (sdist, egg_info, dist_info, clean, ...) only describe or package the sources and run
+# without torch, so that `python -m build --sdist` works in an isolated environment.
+BUILD_COMMANDS = {"build", "build_ext", "bdist_wheel", "bdist_egg", "install", "develop",
+                  "editable_wheel"}  # fmt: skip
+
+NO_TORCH = """ruda_torch: no torch is importable in this build environment.
+
+ruda_torch compiles its extension against the torch that will run it (a build against
+another torch version is no guaranteed ABI, and would refuse to import). pip builds in an
+isolated environment by default, which has no torch. Install torch first, then build in
+your environment:
+
+    pip install --no-build-isolation .          (or the sdist: pip install
+                                                 --no-build-isolation ruda_torch-*.tar.gz)
+
+A CPU-only torch builds the CPU kernels only (docs/building.md)."""
+
+
 def main():
-    import torch
+    try:
+        import torch
+    except ImportError:
+        if not BUILD_COMMANDS.intersection(sys.argv[1:]):
+            setup()  # metadata or sdist: the sources only (MANIFEST.in)
+            return
+        sys.exit(NO_TORCH)
 
     want_cuda = os.environ.get("RUDA_TORCH_CUDA", "auto").lower()
     if want_cuda not in ("auto", "0", "1"):
@@ -204,16 +229,21 @@ def main():
         include_dirs=[os.path.join(ROOT, "csrc")],
         extra_link_args=["-fopenmp"],
     )
+    # The torch this extension is compiled against: ruda_torch/_build.py refuses to import
+    # it under another one (Note [Built against one torch]).
+    torch_macro = [("RUDA_TORCH_BUILT_WITH", f'"{torch.__version__}"')]
     if build_cuda:
         sources += sorted(glob.glob("csrc/cuda/*.cpp")) + sorted(glob.glob("csrc/cuda/*.cu"))
         ext = CUDAExtension(
             sources=sources,
-            define_macros=[("RUDA_TORCH_WITH_CUDA", "1")],
+            define_macros=[("RUDA_TORCH_WITH_CUDA", "1"), *torch_macro],
             extra_compile_args={"cxx": cxx, "nvcc": nvcc},
             **kwargs,
         )
     else:
-        ext = CppExtension(sources=sources, extra_compile_args={"cxx": cxx}, **kwargs)
+        ext = CppExtension(
+            sources=sources, define_macros=torch_macro, extra_compile_args={"cxx": cxx}, **kwargs
+        )
     # One module per ISA build of the CPU kernels, with hidden symbols (Note [CPU ISA at
     # run time] in csrc/cpu/dispatch.cpp). Each build compiles wrapper sources of its own
     # (build/cpu_isa/<isa>/*.cpp, each including one file of csrc/cpu/kernels/), so that

@@ -162,6 +162,8 @@ RUDA_HOST_DEVICE inline StepDecision decide_step(const StepControl& c) {
 template <typename V>
 struct StepCoefs {
   V factor, beta1, one_minus_beta1, beta2, one_minus_beta2, eps, lr, decay, bc1, bc2;
+  V l2;                // Adam's L2 coefficient (Note [Weight decay modes])
+  bool l2_on = false;  // uniform over a launch: a predictable branch, no template copy
 };
 
 // The learning rate: a Tensor lr's value when the launch has one (read from memory by
@@ -184,7 +186,21 @@ RUDA_HOST_DEVICE inline StepCoefs<M> make_coefs(const AdamWHyper& h, float facto
   c.one_minus_beta2 = static_cast<M>(1.0 - h.beta2);
   c.eps = static_cast<M>(h.eps);
   c.lr = static_cast<M>(lr);
-  c.decay = static_cast<M>(1.0 - lr * h.weight_decay);
+  // Note [Weight decay modes]
+  // AdamW (torch.optim.AdamW, Adam(decoupled_weight_decay=True)): the parameter is scaled
+  // by 1 - lr * wd; the gradient and moments never see the decay. Adam (torch.optim.Adam):
+  // wd * p is added to the unscaled, clipped (and for maximize negated) gradient before
+  // the moments, as torch adds it to the gradient it is given, and the parameter is not
+  // scaled (decay 1: p * 1 is p exactly). With wd == 0 both are the same update, bit for
+  // bit (l2_on false: no `+ 0 * p`, which would turn an infinite p's gradient into NaN).
+  if (h.l2) {
+    c.decay = static_cast<M>(1.0);
+    c.l2 = static_cast<M>(h.weight_decay);
+    c.l2_on = h.weight_decay != 0.0;
+  } else {
+    c.decay = static_cast<M>(1.0 - lr * h.weight_decay);
+    c.l2 = static_cast<M>(0.0);
+  }
   c.bc1 = bias_correction<M>(h.beta1, t);
   c.bc2 = bias_correction<M>(h.beta2, t);
   return c;
@@ -298,7 +314,7 @@ RUDA_HOST_DEVICE inline float master_or_param(float master, uint16_t param, floa
 }
 
 // SPEC section 1, one element (or one vector of elements):
-//   g      = stored * factor
+//   g      = stored * factor   (+ l2 * p: Adam, Note [Weight decay modes])
 //   m      = beta1 * m + (1 - beta1) * g
 //   v      = beta2 * v + (1 - beta2) * g * g
 //   v_used = max(v_max, v)   (AMSGrad; the uncorrected maximum is stored)
@@ -307,6 +323,7 @@ template <bool AMSGRAD, typename Ops, typename V>
 RUDA_HOST_DEVICE inline void adamw_element(V& p, V stored_grad, V& m, V& v, V& v_max,
                                            const StepCoefs<V>& c) {
   V g = stored_grad * c.factor;
+  if (c.l2_on) g = g + c.l2 * p;
   m = c.beta1 * m + c.one_minus_beta1 * g;
   v = c.beta2 * v + c.one_minus_beta2 * (g * g);
   V v_used = v;

@@ -196,7 +196,7 @@ AdamWLaunch prepare_launch(
     const std::optional<at::Tensor>& stats, const std::optional<at::Tensor>& clip_coef, double lr,
     double beta1, double beta2, double eps, double weight_decay, double max_grad_norm,
     bool maximize, const std::optional<at::Tensor>& master,
-    const std::optional<at::Tensor>& lr_tensor, int64_t rounding, int64_t seed) {
+    const std::optional<at::Tensor>& lr_tensor, int64_t rounding, int64_t seed, bool decoupled) {
   check_hyper(lr, lr >= 0.0, "learning rate (lr >= 0)");
   check_hyper(beta1, beta1 >= 0.0 && beta1 < 1.0, "beta1 (0 <= beta1 < 1)");
   check_hyper(beta2, beta2 >= 0.0 && beta2 < 1.0, "beta2 (0 <= beta2 < 1)");
@@ -278,7 +278,7 @@ AdamWLaunch prepare_launch(
   L.steps = steps.data_ptr<float>();
   L.rounding = rounding == 1 ? Rounding::kStochastic : Rounding::kNearestEven;
   L.seed = static_cast<uint64_t>(seed);
-  L.hyper = {lr, beta1, beta2, eps, weight_decay, lr_f32, lr_f64};
+  L.hyper = {lr, beta1, beta2, eps, weight_decay, lr_f32, lr_f64, !decoupled};
   L.control = {ptr_or_null(grad_scale), ptr_or_null(found_inf), ptr_or_null(stats),
                ptr_or_null(clip_coef),  max_grad_norm,          maximize};
   return L;
@@ -304,7 +304,7 @@ std::unique_ptr<FlatBucket> make_flat_bucket(
   PreparedAdamW prep =
       prepare_adamw(params, views, exp_avg, exp_avg_sq, max_exp_avg_sq, steps, slots, std::nullopt,
                     std::nullopt, std::nullopt, std::nullopt, 0.0, 0.9, 0.999, 0.0, 0.0, 0.0, false,
-                    master, std::nullopt, 0, 0, unit);
+                    master, std::nullopt, 0, 0, /*decoupled=*/true, unit);
   const auto g0 = reinterpret_cast<uintptr_t>(grad.data_ptr());
   const auto g1 = g0 + static_cast<uintptr_t>(grad.numel()) * grad.element_size();
   for (size_t i = 0; i < views.size(); ++i) {
@@ -405,12 +405,12 @@ AdamWLaunch prepare_flat_step(const FlatBucket& fb, bool amsgrad,
                               const std::optional<at::Tensor>& clip_coef, double lr, double beta1,
                               double beta2, double eps, double weight_decay, double max_grad_norm,
                               bool maximize, const std::optional<at::Tensor>& lr_tensor,
-                              int64_t rounding, int64_t seed) {
-  AdamWLaunch L =
-      prepare_launch("adamw_scaled_", fb.active.size(), fb.device, fb.pdtype, fb.grad.scalar_type(),
-                     fb.exp_avg, fb.exp_avg_sq, amsgrad ? fb.max_exp_avg_sq : std::nullopt,
-                     fb.steps, grad_scale, found_inf, stats, clip_coef, lr, beta1, beta2, eps,
-                     weight_decay, max_grad_norm, maximize, fb.master, lr_tensor, rounding, seed);
+                              int64_t rounding, int64_t seed, bool decoupled) {
+  AdamWLaunch L = prepare_launch(
+      "adamw_scaled_", fb.active.size(), fb.device, fb.pdtype, fb.grad.scalar_type(), fb.exp_avg,
+      fb.exp_avg_sq, amsgrad ? fb.max_exp_avg_sq : std::nullopt, fb.steps, grad_scale, found_inf,
+      stats, clip_coef, lr, beta1, beta2, eps, weight_decay, max_grad_norm, maximize, fb.master,
+      lr_tensor, rounding, seed, decoupled);
   int64_t units = 0;
   if (!fb.active.empty()) {
     const TensorEntry& e = fb.active.back();
@@ -428,7 +428,7 @@ PreparedAdamW prepare_adamw(
     const std::optional<at::Tensor>& clip_coef, double lr, double beta1, double beta2, double eps,
     double weight_decay, double max_grad_norm, bool maximize,
     const std::optional<at::Tensor>& master, const std::optional<at::Tensor>& lr_tensor,
-    int64_t rounding, int64_t seed, int64_t unit) {
+    int64_t rounding, int64_t seed, bool decoupled, int64_t unit) {
   const char* op = "adamw_scaled_";
   const size_t n = params.size();
   TORCH_CHECK(grads.size() == n, "ruda_torch.", op, ": grads has ", grads.size(),
@@ -442,7 +442,7 @@ PreparedAdamW prepare_adamw(
   prep.launch =
       prepare_launch(op, n, device, pdtype, gdtype, exp_avg, exp_avg_sq, max_exp_avg_sq, steps,
                      grad_scale, found_inf, stats, clip_coef, lr, beta1, beta2, eps, weight_decay,
-                     max_grad_norm, maximize, master, lr_tensor, rounding, seed);
+                     max_grad_norm, maximize, master, lr_tensor, rounding, seed, decoupled);
   TORCH_CHECK(
       slots.device().is_cpu() && slots.scalar_type() == at::kLong && slots.dim() == 2 &&
           slots.size(0) == static_cast<int64_t>(n) && slots.size(1) == 2 && slots.is_contiguous(),
@@ -527,12 +527,12 @@ void check_adamw_scaled(at::TensorList params, at::TensorList grads, const at::T
                         const std::optional<at::Tensor>& clip_coef, double lr, double beta1,
                         double beta2, double eps, double weight_decay, double max_grad_norm,
                         bool maximize, const std::optional<at::Tensor>& master,
-                        const std::optional<at::Tensor>& lr_tensor, int64_t rounding,
-                        int64_t seed) {
+                        const std::optional<at::Tensor>& lr_tensor, int64_t rounding, int64_t seed,
+                        bool decoupled) {
   // The unit only sizes the work split, which validation does not use.
   prepare_adamw(params, grads, exp_avg, exp_avg_sq, max_exp_avg_sq, steps, slots, grad_scale,
                 found_inf, stats, clip_coef, lr, beta1, beta2, eps, weight_decay, max_grad_norm,
-                maximize, master, lr_tensor, rounding, seed, /*unit=*/1);
+                maximize, master, lr_tensor, rounding, seed, decoupled, /*unit=*/1);
 }
 
 PreparedStats prepare_analyze(at::TensorList grads, const std::optional<at::Tensor>& grad_scale,

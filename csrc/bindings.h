@@ -35,7 +35,7 @@ PreparedAdamW prepare_adamw(
     const std::optional<at::Tensor>& clip_coef, double lr, double beta1, double beta2, double eps,
     double weight_decay, double max_grad_norm, bool maximize,
     const std::optional<at::Tensor>& master, const std::optional<at::Tensor>& lr_tensor,
-    int64_t rounding, int64_t seed, int64_t unit);
+    int64_t rounding, int64_t seed, bool decoupled, int64_t unit);
 
 // check_adamw_scaled: prepare_adamw for its errors alone (any backend; writes nothing).
 void check_adamw_scaled(at::TensorList params, at::TensorList grads, const at::Tensor& exp_avg,
@@ -47,7 +47,8 @@ void check_adamw_scaled(at::TensorList params, at::TensorList grads, const at::T
                         const std::optional<at::Tensor>& clip_coef, double lr, double beta1,
                         double beta2, double eps, double weight_decay, double max_grad_norm,
                         bool maximize, const std::optional<at::Tensor>& master,
-                        const std::optional<at::Tensor>& lr_tensor, int64_t rounding, int64_t seed);
+                        const std::optional<at::Tensor>& lr_tensor, int64_t rounding, int64_t seed,
+                        bool decoupled);
 
 PreparedStats prepare_analyze(at::TensorList grads, const std::optional<at::Tensor>& grad_scale,
                               const at::Tensor& rows);
@@ -119,7 +120,7 @@ AdamWLaunch prepare_flat_step(const FlatBucket& fb, bool amsgrad,
                               const std::optional<at::Tensor>& clip_coef, double lr, double beta1,
                               double beta2, double eps, double weight_decay, double max_grad_norm,
                               bool maximize, const std::optional<at::Tensor>& lr_tensor,
-                              int64_t rounding, int64_t seed);
+                              int64_t rounding, int64_t seed, bool decoupled);
 
 // The statistics launch of the selected parameters lo .. hi-1 into `rows` (one row per
 // kStatsChunk elements of each, as analyze_gradient), validated as analyze_gradient

@@ -14,14 +14,15 @@ TORCH_LIBRARY(ruda_torch, m) {
   // the index of its step counter in `steps`. Skip/clip/scale are read on the device.
   // `master`: FP32 master weights of 16-bit params (same layout as exp_avg); `lr_tensor`:
   // a one-element lr read by the kernel; `rounding` 1: stochastic rounding of BF16 params
-  // with `seed` (Note [Parameter dtypes] in csrc/adamw_math.h).
+  // with `seed` (Note [Parameter dtypes] in csrc/adamw_math.h); `decoupled` false: Adam's
+  // L2 decay, weight_decay * param added to the gradient (Note [Weight decay modes]).
   m.def(
       "adamw_scaled_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!) exp_avg, "
       "Tensor(c!) exp_avg_sq, Tensor(d!)? max_exp_avg_sq, Tensor(e!) steps, Tensor slots, "
       "Tensor? grad_scale, Tensor? found_inf, Tensor? stats, Tensor? clip_coef, float lr, "
       "float beta1, float beta2, float eps, float weight_decay, float max_grad_norm, "
       "bool maximize, *, Tensor(f!)? master=None, Tensor? lr_tensor=None, int rounding=0, "
-      "int seed=0) -> ()");
+      "int seed=0, bool decoupled=True) -> ()");
   // The validation of adamw_scaled_ alone: raises what adamw_scaled_ would raise for the
   // same arguments and writes nothing. The optimizer runs it for every kernel call of a
   // step that has more than one, before the first one writes (Note [Atomic step] in
@@ -31,7 +32,7 @@ TORCH_LIBRARY(ruda_torch, m) {
       "Tensor? max_exp_avg_sq, Tensor steps, Tensor slots, Tensor? grad_scale, Tensor? found_inf, "
       "Tensor? stats, Tensor? clip_coef, float lr, float beta1, float beta2, float eps, "
       "float weight_decay, float max_grad_norm, bool maximize, *, Tensor? master=None, "
-      "Tensor? lr_tensor=None, int rounding=0, int seed=0) -> ()");
+      "Tensor? lr_tensor=None, int rounding=0, int seed=0, bool decoupled=True) -> ()");
   // One statistics row per kStatsChunk elements of each gradient (Note [Statistics row]).
   m.def("analyze_gradient(Tensor[] grads, Tensor? grad_scale, Tensor(a!) rows) -> ()");
   // One tree level: out[k] combines rows[1024k : 1024(k+1)].

@@ -48,6 +48,8 @@ struct AdamWHyper {
   // one is set), so that an LR schedule needs no host sync and changes no argument.
   const float* lr_f32;
   const double* lr_f64;
+  // Note [Weight decay modes] in adamw_math.h: false decoupled (AdamW), true L2 (Adam).
+  bool l2;
 };
 
 // Device-resident control values (any pointer may be null), read by the kernel itself

@@ -6,7 +6,31 @@ import importlib
 import os
 import warnings
 
+import torch
+
 from . import _C  # noqa: F401  (importing runs the operator registrations)
+
+# Note [Built against one torch]
+# The extension is compiled against torch's C++ headers and library, whose ABI changes
+# between minor releases: an extension built against one and loaded under another may
+# fail to load, or load and misbehave. pip's isolated builds used to do exactly that
+# (compile against the newest torch in a throwaway environment, then install into the
+# user's); setup.py now refuses to build without the user's torch, and the import refuses
+# an extension whose torch differs in major.minor from the running one.
+BUILT_WITH_TORCH: str | None = getattr(_C, "torch_version", None)
+
+
+def _release(version: str) -> tuple[int, int]:
+    parts = version.split("+")[0].split(".")
+    return int(parts[0]), int("".join(ch for ch in parts[1] if ch.isdigit()) or 0)
+
+
+if BUILT_WITH_TORCH is not None and _release(BUILT_WITH_TORCH) != _release(torch.__version__):
+    raise ImportError(
+        f"ruda_torch's extension was built against torch {BUILT_WITH_TORCH}, but torch "
+        f"{torch.__version__} is running: rebuild it against this torch with "
+        "`pip install --no-build-isolation --force-reinstall --no-deps .` (docs/building.md)"
+    )
 
 CUDA_COMPILED: bool = bool(_C.cuda_compiled)
 CPU_ISA_ORDER = ("default", "avx2", "avx512")

@@ -115,6 +115,9 @@ def update(p, grad, st, group, grad_scale, found_inf, clip_coef) -> None:
         g = g * factor
     if group["maximize"]:
         g = -g
+    decoupled = group.get("decoupled_weight_decay", True)
+    if not decoupled and wd != 0:  # Adam's L2 (Note [Weight decay modes] in adamw_math.h)
+        g = g + wd * p
     # Note [Step counter range]: the counter as the kernels read it.
     t64 = step_t.to(torch.float64).nan_to_num(nan=1.0).clamp(1.0, 2.0**62).floor()
     bc1 = (1.0 - torch.pow(beta1, t64)).to(p.dtype)
@@ -128,7 +131,7 @@ def update(p, grad, st, group, grad_scale, found_inf, clip_coef) -> None:
         vmax_new = torch.maximum(st["max_exp_avg_sq"], v_new)
         v_used = vmax_new
     denom = (v_used / bc2).sqrt() + eps
-    p_new = p * (1.0 - lr * wd) - (m_new / bc1) * lr / denom
+    p_new = (p * (1.0 - lr * wd) if decoupled else p) - (m_new / bc1) * lr / denom
     updates = [(p, p_new), (m, m_new), (v, v_new)]
     if vmax_new is not None:
         updates.append((st["max_exp_avg_sq"], vmax_new))

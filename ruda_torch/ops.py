@@ -36,8 +36,11 @@ def adamw_scaled_(
     lr_tensor: torch.Tensor | None = None,
     stochastic_rounding: bool = False,
     seed: int = 0,
+    decoupled: bool = True,
 ) -> None:
-    """In-place AdamW/AMSGrad over one bucket (docs/semantics.md).
+    """In-place AdamW/AMSGrad over one bucket (docs/semantics.md); with
+    ``decoupled=False`` Adam's L2 decay instead (``weight_decay * param`` added to the
+    gradient, Note [Weight decay modes] in csrc/adamw_math.h).
 
     ``params[i]`` (one dtype: FP32, FP64, FP16 or BF16; dense, i.e. contiguous or a
     permutation of a contiguous layout such as a transpose or channels_last) owns the
@@ -66,7 +69,7 @@ def adamw_scaled_(
         lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, maximize=maximize,
         grad_scale=grad_scale, found_inf=found_inf, stats=stats, max_grad_norm=max_grad_norm,
         clip_coef=clip_coef, master=master, lr_tensor=lr_tensor,
-        stochastic_rounding=stochastic_rounding, seed=seed,
+        stochastic_rounding=stochastic_rounding, seed=seed, decoupled=decoupled,
     )  # fmt: skip
 
 
@@ -101,6 +104,7 @@ def _call(
     lr_tensor=None,
     stochastic_rounding=False,
     seed=0,
+    decoupled=True,
 ) -> None:
     lr, lr_tensor = _lr_args(lr, lr_tensor)
     op(
@@ -108,7 +112,7 @@ def _call(
         grad_scale, found_inf, stats, clip_coef,
         lr, beta1, beta2, eps, weight_decay, max_grad_norm, maximize,
         master=master, lr_tensor=lr_tensor, rounding=1 if stochastic_rounding else 0,
-        seed=_seed64(seed),
+        seed=_seed64(seed), decoupled=bool(decoupled),
     )  # fmt: skip
 
 
@@ -131,6 +135,7 @@ def flat_step(
     clip_coef: torch.Tensor | None,
     stochastic_rounding: bool,
     seed: int,
+    decoupled: bool = True,
 ) -> None:
     """:func:`adamw_scaled_` over a flat-gradient bucket's handle (Note [Flat gradient
     buckets] in csrc/bindings.h): the tensors are the handle's, validated when it was
@@ -141,6 +146,7 @@ def flat_step(
         handle, active, validate_only, bool(amsgrad), float(lr), lr_tensor, float(beta1), float(beta2),
         float(eps), float(weight_decay), bool(maximize), grad_scale, found_inf, stats,
         float(max_grad_norm), clip_coef, 1 if stochastic_rounding else 0, _seed64(seed),
+        bool(decoupled),
     )  # fmt: skip
 
 
@@ -215,7 +221,7 @@ def _same_device(op: str, named) -> None:
 def _adamw_scaled_fake(params, grads, exp_avg, exp_avg_sq, max_exp_avg_sq, steps, slots,
                        grad_scale, found_inf, stats, clip_coef, lr, beta1, beta2, eps,
                        weight_decay, max_grad_norm, maximize, *, master=None, lr_tensor=None,
-                       rounding=0, seed=0):  # fmt: skip
+                       rounding=0, seed=0, decoupled=True):  # fmt: skip
     _same_device("adamw_scaled_", [
         ("params", params), ("grads", grads), ("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq),
         ("max_exp_avg_sq", max_exp_avg_sq), ("steps", steps), ("grad_scale", grad_scale),

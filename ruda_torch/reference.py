@@ -139,6 +139,7 @@ def adamw_reference(
     maximize: bool = False,
     gradient_scale: float = 1.0,
     clip_coef: float = 1.0,
+    decoupled: bool = True,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor | None, Tensor]:
     """One AdamW / AMSGrad step of SPEC section 1 in FP64, out of place.
 
@@ -161,6 +162,9 @@ def adamw_reference(
         gradient_scale: the stored gradient is divided by this (default 1.0), finite
             and positive.
         clip_coef: the unscaled gradient is multiplied by this (default 1.0).
+        decoupled: True (AdamW) decays the parameter by ``1 - lr * weight_decay``; False
+            (Adam, L2) adds ``weight_decay * param`` to the unscaled, clipped (negated if
+            maximize) gradient before the moments and does not decay the parameter.
 
     Returns:
         ``(param, exp_avg, exp_avg_sq, max_exp_avg_sq, step)``: new FP64 CPU tensors
@@ -183,6 +187,8 @@ def adamw_reference(
     g = g * (clip_coef / gradient_scale)
     if maximize:
         g = -g
+    if not decoupled and weight_decay != 0:
+        g = g + weight_decay * p
     m = beta1 * m + (1.0 - beta1) * g
     v = beta2 * v + (1.0 - beta2) * g * g
     v_used = v
@@ -191,7 +197,8 @@ def adamw_reference(
         v_used = v_max
     bc1 = bias_correction(beta1, t)
     bc2 = bias_correction(beta2, t)
-    p = p * (1.0 - lr * weight_decay) - lr * (m / bc1) / (torch.sqrt(v_used / bc2) + eps)
+    decay = 1.0 - lr * weight_decay if decoupled else 1.0
+    p = p * decay - lr * (m / bc1) / (torch.sqrt(v_used / bc2) + eps)
     return p, m, v, v_max, torch.tensor(float(t), dtype=torch.float64)
 
 

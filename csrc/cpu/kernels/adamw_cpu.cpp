@@ -47,7 +47,8 @@ template <typename M>
 StepCoefs<at::vec::Vectorized<M>> broadcast(const StepCoefs<M>& c) {
   using V = at::vec::Vectorized<M>;
   return {V(c.factor), V(c.beta1), V(c.one_minus_beta1), V(c.beta2), V(c.one_minus_beta2),
-          V(c.eps),    V(c.lr),    V(c.decay),           V(c.bc1),   V(c.bc2)};
+          V(c.eps),    V(c.lr),    V(c.decay),           V(c.bc1),   V(c.bc2),
+          V(c.l2),     c.l2_on};
 }
 
 // W consecutive gradient elements at g as the math type (exact conversions).
