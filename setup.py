@@ -230,8 +230,15 @@ def main():
         extra_link_args=["-fopenmp"],
     )
     # The torch this extension is compiled against: ruda_torch/_build.py refuses to import
-    # it under another one (Note [Built against one torch]).
+    # it under another one (Note [Built against one torch]), reading it from a Python file
+    # before loading the extension (which may not even load under another torch) and
+    # from the extension itself.
     torch_macro = [("RUDA_TORCH_BUILT_WITH", f'"{torch.__version__}"')]
+    info = os.path.join(ROOT, "ruda_torch", "_build_info.py")
+    text = f'"""Written by setup.py."""\n\nTORCH_VERSION = "{torch.__version__}"\n'
+    if not os.path.exists(info) or open(info).read() != text:
+        with open(info, "w") as f:
+            f.write(text)
     if build_cuda:
         sources += sorted(glob.glob("csrc/cuda/*.cpp")) + sorted(glob.glob("csrc/cuda/*.cu"))
         ext = CUDAExtension(

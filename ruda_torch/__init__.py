@@ -1,7 +1,8 @@
 """ruda_torch: a native, in-place, device-side AdamW/AMSGrad step for PyTorch.
 
 - ``ruda_torch.AdamW``: drop-in for ``torch.optim.AdamW`` (``fused_step=True`` for the
-  native kernel, ``hierarchical_stats=True`` for the device-side gradient report).
+  native kernel, ``hierarchical_stats=True`` for the device-side gradient report);
+  ``ruda_torch.Adam``: the same for ``torch.optim.Adam`` (L2 weight decay).
 - ``ruda_torch.adamw_step`` with ``AdamWOptions``, ``StepControl``, ``AdamWState``:
   the out-of-place functional API.
 - ``ruda_torch.StatsPlan``: the reduction plan of the gradient statistics.
@@ -16,12 +17,13 @@
 from . import amp, ops
 from ._build import compiled_backends, cpu_capability
 from .functional import AdamWOptions, AdamWState, StepControl, StepResult, adamw_step
-from .optimizer import AdamW, GradientReport
+from .optimizer import Adam, AdamW, GradientReport
 from .stats_plan import StatsPlan
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "Adam",
     "AdamW",
     "AdamWOptions",
     "AdamWState",

@@ -8,7 +8,11 @@ import warnings
 
 import torch
 
-from . import _C  # noqa: F401  (importing runs the operator registrations)
+try:  # written by setup.py with the extension
+    from ._build_info import TORCH_VERSION as _BUILD_INFO_TORCH
+except ImportError:
+    _BUILD_INFO_TORCH = None
+
 
 # Note [Built against one torch]
 # The extension is compiled against torch's C++ headers and library, whose ABI changes
@@ -17,20 +21,27 @@ from . import _C  # noqa: F401  (importing runs the operator registrations)
 # (compile against the newest torch in a throwaway environment, then install into the
 # user's); setup.py now refuses to build without the user's torch, and the import refuses
 # an extension whose torch differs in major.minor from the running one.
-BUILT_WITH_TORCH: str | None = getattr(_C, "torch_version", None)
-
-
 def _release(version: str) -> tuple[int, int]:
     parts = version.split("+")[0].split(".")
     return int(parts[0]), int("".join(ch for ch in parts[1] if ch.isdigit()) or 0)
 
 
-if BUILT_WITH_TORCH is not None and _release(BUILT_WITH_TORCH) != _release(torch.__version__):
-    raise ImportError(
-        f"ruda_torch's extension was built against torch {BUILT_WITH_TORCH}, but torch "
-        f"{torch.__version__} is running: rebuild it against this torch with "
-        "`pip install --no-build-isolation --force-reinstall --no-deps .` (docs/building.md)"
-    )
+def _check_torch(built_with: str | None) -> None:
+    if built_with is not None and _release(built_with) != _release(torch.__version__):
+        raise ImportError(
+            f"ruda_torch's extension was built against torch {built_with}, but torch "
+            f"{torch.__version__} is running: rebuild it against this torch with "
+            "`pip install --no-build-isolation --force-reinstall --no-deps .` "
+            "(docs/building.md)"
+        )
+
+
+_check_torch(_BUILD_INFO_TORCH)  # before loading it: under another torch it may not load
+
+from . import _C  # noqa: E402  (importing runs the operator registrations)
+
+BUILT_WITH_TORCH: str | None = getattr(_C, "torch_version", _BUILD_INFO_TORCH)
+_check_torch(BUILT_WITH_TORCH)
 
 CUDA_COMPILED: bool = bool(_C.cuda_compiled)
 CPU_ISA_ORDER = ("default", "avx2", "avx512")

@@ -595,8 +595,7 @@ class FusedPlan:
     def is_current(self, opt) -> bool:
         groups = opt.param_groups
         if (
-            groups is not self._param_groups
-            or opt.state is not self._state
+            opt.state is not self._state
             or len(groups) != len(self._group_dicts)
             or not all(map(_same, groups, self._group_dicts))
             or [_flags(g) for g in groups] != self._flags

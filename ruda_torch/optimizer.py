@@ -49,7 +49,7 @@ from ._validate import (
 from .distributed import ranks_of, scope_of
 from .report import GradientReport
 
-__all__ = ["AdamW", "GradientReport"]
+__all__ = ["Adam", "AdamW", "GradientReport"]
 
 # torch.optim.AdamW's execution options: kept in every group so that state_dict() has
 # torch's exact format, and ignored by this optimizer (whose update is always decoupled).
@@ -172,6 +172,10 @@ class AdamW(Optimizer):
 
     _step_supports_amp_scaling = True
 
+    # torch.optim.AdamW's update is always decoupled; ruda_torch.Adam overrides these.
+    _ALWAYS_DECOUPLED = True
+    _TORCH_CLASS = "torch.optim.AdamW"
+
     def __init__(
         self,
         params,
@@ -182,7 +186,11 @@ class AdamW(Optimizer):
         amsgrad: bool = False,
         *,
         maximize: bool = False,
-        fused_step: bool = False,
+        foreach: bool | None = None,
+        capturable: bool = False,
+        differentiable: bool = False,
+        fused: bool | None = None,
+        fused_step: bool | None = None,
         master_weights: bool = False,
         stochastic_rounding: bool = False,
         rounding_seed: int = 0,
@@ -193,6 +201,10 @@ class AdamW(Optimizer):
         partition_group=None,
     ):
         check_hyperparameters(lr, betas, eps, weight_decay)
+        fused_step = _torch_keywords(
+            dict(foreach=foreach, capturable=capturable, differentiable=differentiable,
+                 fused=fused, fused_step=fused_step), None
+        )  # fmt: skip
         if hierarchical_stats and not fused_step:
             raise ValueError(
                 "hierarchical_stats=True requires fused_step=True (the statistics feed the "
@@ -217,7 +229,11 @@ class AdamW(Optimizer):
             weight_decay=weight_decay,
             amsgrad=amsgrad,
             maximize=maximize,
-            **_TORCH_GROUP_KEYS,
+            foreach=foreach,
+            capturable=bool(capturable),
+            differentiable=bool(differentiable),
+            fused=fused,
+            decoupled_weight_decay=self._decoupled_default(),
             fused_step=fused_step,
             master_weights=master_weights,
             stochastic_rounding=stochastic_rounding,
@@ -247,8 +263,11 @@ class AdamW(Optimizer):
             for k, v in _FUSED_KEYS.items():
                 group.setdefault(k, self.defaults.get(k, v))
             for k, v in _TORCH_GROUP_KEYS.items():
-                group.setdefault(k, v)
-            group["decoupled_weight_decay"] = True  # as torch.optim.AdamW: always decoupled
+                group.setdefault(
+                    k, v if k != "decoupled_weight_decay" else self._decoupled_default()
+                )
+            if self._ALWAYS_DECOUPLED:  # as torch.optim.AdamW: always decoupled
+                group["decoupled_weight_decay"] = True
         for k, v in _OPTIONS.items():
             self.__dict__.setdefault(k, v)  # pickles older than these options
         self.__dict__.setdefault("_plan", None)
@@ -265,8 +284,20 @@ class AdamW(Optimizer):
         new.__setstate__(copy.deepcopy(self.__getstate__(), memo))
         return new
 
+    def _decoupled_default(self) -> bool:
+        return self.__dict__.get("_decoupled", self._ALWAYS_DECOUPLED)
+
     def add_param_group(self, param_group: dict) -> None:
         param_group = self._wide_keys_of(param_group)
+        if any(k in param_group for k in ("fused", "differentiable", "fused_step")):
+            group = dict(param_group)
+            group["fused_step"] = _torch_keywords(
+                {k: group.get(k) for k in ("foreach", "capturable", "differentiable", "fused",
+                                           "fused_step")},
+                len(self.param_groups),
+                default=self.defaults.get("fused_step", False),
+            )  # fmt: skip
+            param_group = group
         merged = {**self.defaults, **{k: v for k, v in param_group.items() if k != "params"}}
         check_hyperparameters(merged["lr"], merged["betas"], merged["eps"], merged["weight_decay"])
         gi = len(self.param_groups)
@@ -777,9 +808,28 @@ class AdamW(Optimizer):
         """The buckets, derived again when the state or the groups changed (Note [Fused
         state coherence]); raises, writing nothing, when they cannot be."""
         plan = self._plan
-        if plan is None or not plan.is_current(self):
-            needs_global = self.hierarchical_stats or self.max_grad_norm is not None
-            plan = self._plan = _fused.derive(self, plan, needs_global)
+        if plan is not None and plan.is_current(self):
+            return plan
+        # Note [Swapped param_groups]: a plan per recent list of groups, so that DeepSpeed's
+        # one-group-at-a-time steps check a plan instead of deriving one at every swap.
+        # Only plans of the optimizer's own groups are kept (a plan holds its buckets'
+        # memory: one of groups that a load replaced must go).
+        home = {id(g) for g in self._home_groups}
+        others = {
+            k: v for k, v in self.__dict__.get("_other_plans", {}).items() if home.issuperset(k)
+        }
+        self._other_plans = others
+        if plan is not None and home.issuperset(map(id, plan._group_dicts)):
+            others[tuple(map(id, plan._group_dicts))] = plan
+        key = tuple(map(id, self.param_groups))
+        cached = others.pop(key, None)
+        if cached is not None and cached.is_current(self):
+            self._plan = cached
+            return cached
+        needs_global = self.hierarchical_stats or self.max_grad_norm is not None
+        plan = self._plan = _fused.derive(self, plan, needs_global)
+        while len(others) > 4:  # the oldest go
+            others.pop(next(iter(others)))
         return plan
 
     def _run(self, op, c: _FusedCall, grad_scale, found_inf, stats, clip_coef, per_device):
@@ -826,6 +876,7 @@ class AdamW(Optimizer):
                 clip_coef=per_device.get(clip_coef, dev),
                 stochastic_rounding=bool(g["stochastic_rounding"]) and b.dtype == torch.bfloat16,
                 seed=g["rounding_seed"],
+                decoupled=bool(g.get("decoupled_weight_decay", True)),
             )
         except RuntimeError as e:
             # The operator counts the call's tensors: name the group, and the parameter
@@ -837,6 +888,29 @@ class AdamW(Optimizer):
             raise RuntimeError(f"{where}: {e}") from e
         if writes and b.staged:
             b.stage_out(c.active)
+
+
+def _torch_keywords(kw: dict, gi, default: bool = False) -> bool:
+    """The meaning of torch.optim's execution keywords here (docs/usage.md, "torch's
+    keywords"); returns fused_step. ``fused=True`` is ``fused_step=True`` (torch's name for
+    the fused path); ``foreach`` and ``capturable`` are accepted and kept in the group, as
+    torch keeps them; ``differentiable=True`` is refused."""
+    where = "" if gi is None else f" (param group {gi})"
+    if kw.get("differentiable"):
+        raise ValueError(
+            f"differentiable=True is not supported{where}: ruda_torch's step updates the "
+            "parameters in place without autograd (as torch's fused path, which refuses it "
+            "too); use torch.optim for a differentiable optimizer step"
+        )
+    fused, fused_step = kw.get("fused"), kw.get("fused_step")
+    if fused is not None and fused_step is not None and bool(fused) != bool(fused_step):
+        raise ValueError(
+            f"fused={fused} and fused_step={fused_step} disagree{where}: they are one setting "
+            "(fused is torch's name for it); give one, or both the same"
+        )
+    if fused_step is not None:
+        return bool(fused_step)
+    return bool(fused) if fused is not None else bool(default)
 
 
 def _in_layout(target: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
@@ -891,3 +965,50 @@ def _split_by_dtype(call: _FusedCall) -> list[_FusedCall]:
 
 
 _dtype_of = operator.attrgetter("dtype")
+
+
+class Adam(AdamW):
+    r"""Adam / AMSGrad with L2 weight decay, as ``torch.optim.Adam``: a drop-in with every
+    option of :class:`AdamW` (the fused kernels, buckets, flat gradients, master weights,
+    statistics, clipping, GradScaler, checkpoints in torch's format).
+
+    The update is AdamW's with :math:`\lambda` moved from the parameter to the gradient:
+
+    .. math::
+        g &= \text{grad} \cdot c / s \; (\text{negated if maximize}) + \lambda p \\
+        p &= p - \gamma \frac{m / (1 - \beta_1^t)}{\sqrt{\hat v / (1 - \beta_2^t)} + \epsilon}
+
+    so, as in torch, the decay goes through the moments (Note [Weight decay modes] in
+    csrc/adamw_math.h). ``decoupled_weight_decay=True`` makes it AdamW, exactly
+    :class:`AdamW` (torch.optim.Adam's own switch). Defaults: ``lr=1e-3``,
+    ``betas=(0.9, 0.999)``, ``eps=1e-5`` (**torch's is 1e-8**, as for AdamW: pass
+    ``eps=1e-8`` to keep torch's), ``weight_decay=0`` (torch's). Every keyword of
+    ``torch.optim.Adam`` is accepted with the meaning documented for AdamW
+    (docs/usage.md); a ``torch.optim.Adam`` checkpoint loads here and ours loads there.
+    """
+
+    _ALWAYS_DECOUPLED = False
+    _TORCH_CLASS = "torch.optim.Adam"
+
+    def __init__(
+        self,
+        params,
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-5,
+        weight_decay: float = 0.0,
+        amsgrad: bool = False,
+        *,
+        foreach: bool | None = None,
+        maximize: bool = False,
+        capturable: bool = False,
+        differentiable: bool = False,
+        fused: bool | None = None,
+        decoupled_weight_decay: bool = False,
+        **options,
+    ):
+        self._decoupled = bool(decoupled_weight_decay)
+        super().__init__(
+            params, lr, betas, eps, weight_decay, amsgrad, maximize=maximize, foreach=foreach,
+            capturable=capturable, differentiable=differentiable, fused=fused, **options,
+        )  # fmt: skip

@@ -181,20 +181,22 @@ MODES = {
 MODE_IDS = list(MODES)
 
 
-def make_ours(model: Net, case: Case, mode: str, **kwargs) -> ruda_torch.AdamW:
+def make_ours(model: Net, case: Case, mode: str, cls=None, **kwargs) -> ruda_torch.AdamW:
+    """ruda_torch.AdamW (or ``cls``, e.g. ruda_torch.Adam) over the two groups."""
     f0, f1 = MODES[mode]
     g0, g1 = split_groups(model)
     groups = [{"params": g0}, {"params": g1, **case.group1, "fused_step": f1}]
-    return ruda_torch.AdamW(groups, **case.base, fused_step=f0, **kwargs)
+    return (cls or ruda_torch.AdamW)(groups, **case.base, fused_step=f0, **kwargs)
 
 
-def make_torch(model: Net, case: Case, **kwargs) -> torch.optim.AdamW:
+def make_torch(model: Net, case: Case, cls=None, **kwargs) -> torch.optim.AdamW:
+    """torch.optim.AdamW (or ``cls``, e.g. torch.optim.Adam) over the two groups."""
     g0, g1 = split_groups(model)
     groups = [{"params": g0}, {"params": g1, **case.group1}]
     kwargs.setdefault("foreach", False)
     if kwargs.get("fused"):
         kwargs.pop("foreach")
-    return torch.optim.AdamW(groups, **case.base, **kwargs)
+    return (cls or torch.optim.AdamW)(groups, **case.base, **kwargs)
 
 
 # --------------------------------------------------------------------------- comparisons

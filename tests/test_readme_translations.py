@@ -44,6 +44,7 @@ def test_translation_matches_the_english_readme(name):
 def test_option_names_and_links_exist(name):
     text = (ROOT / name).read_text()
     params = set(inspect.signature(ruda_torch.AdamW).parameters)
+    params |= set(inspect.signature(ruda_torch.Adam).parameters)  # ruda_torch.Adam's own
     for option in re.findall(r"`([a-z_]+)=", text):  # keyword arguments, not env switches
         assert option in params, f"{name}: `{option}=` is not an argument of ruda_torch.AdamW"
     for link in re.findall(r"\]\(([^)#]+)", text):

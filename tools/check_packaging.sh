@@ -108,7 +108,7 @@ print("  one fused step with statistics matches torch.optim.AdamW")
 '
 if [ -n "$WHEEL" ]; then
   venv="$WORK/wheel-venv"
-  scratch_venv "$venv" "$PY" && "$venv/bin/python" -m pip install -q --no-deps "$WHEEL" &&
+  scratch_venv "$venv" "$PY" && "$venv/bin/python" -m pip install -q --no-deps --ignore-installed "$WHEEL" &&
     (cd "$WORK" && "$venv/bin/python" -c "$SMOKE" "$venv")
   result "the wheel installs into a fresh venv, imports and steps" $?
 else
@@ -118,10 +118,10 @@ fi
 # 4. The same wheel under another torch release refuses to import.
 if [ -n "$WHEEL" ] && [ -x "$CPU_VENV/bin/python" ]; then
   venv="$WORK/other-torch"
-  scratch_venv "$venv" "$CPU_VENV/bin/python" && "$venv/bin/python" -m pip install -q --no-deps "$WHEEL"
+  scratch_venv "$venv" "$CPU_VENV/bin/python" && "$venv/bin/python" -m pip install -q --no-deps --ignore-installed "$WHEEL"
   (cd "$WORK" && "$venv/bin/python" -c "import ruda_torch") >"$WORK/other.log" 2>&1
   rc=$?
-  grep -m 1 "Error" "$WORK/other.log" | cut -c 1-200
+  grep -m 1 "^ImportError" "$WORK/other.log" | cut -c 1-200
   [ "$rc" -ne 0 ] && grep -q "was built against torch" "$WORK/other.log"
   result "under another torch release the import is refused, naming both" $?
 else
