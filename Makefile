@@ -51,7 +51,7 @@ BUILD_SWITCHES := RUDA_TORCH_CUDA=$(RUDA_TORCH_CUDA) CUDA_HOME=$(CUDA_HOME) \
 	TORCH_CUDA_ARCH_LIST=$(TORCH_CUDA_ARCH_LIST) RUDA_TORCH_CPU_ISA=$(RUDA_TORCH_CPU_ISA)
 
 .DEFAULT_GOAL := help
-.PHONY: help deps build test test-integrations test-cpu-torch sdist test-packaging demo bench regressions gpu-check check format versions clean distclean FORCE
+.PHONY: help deps build test test-integrations test-cpu-torch sdist test-packaging test-cuda-sim demo bench regressions gpu-check check format versions clean distclean FORCE
 
 help:
 	@echo "make test       set up .venv, build the extension, run the test suite"
@@ -62,6 +62,8 @@ help:
 	@echo "                transformers, accelerate, Lightning, DeepSpeed) and run tests/integrations"
 	@echo "make test-cpu-torch  build against the CPU-only torch 2.13.0 in .venv-cpu (CPU kernels"
 	@echo "                only) and run the kernel, optimizer and distributed tests there"
+	@echo "make test-cuda-sim  the CUDA kernels on an emulated device against the CPU kernels,"
+	@echo "                with ASan, TSan and mutations (no GPU, no CUDA toolkit needed)"
 	@echo "make sdist      build the sdist into build/sdist (python -m build, isolated)"
 	@echo "make test-packaging  sdist contents, isolated-build refusal, a wheel from the sdist"
 	@echo "                in a fresh venv (tools/check_packaging.sh)"
@@ -130,10 +132,10 @@ build: $(BUILD_STAMP)
 # pytest exits with 5 when it collects no tests: that is a failure too (make stops on any
 # nonzero status). .ci/pytest_gpu_summary.py prints how many `gpu` tests were skipped.
 test: $(BUILD_STAMP)
-	@echo "$(PY) -m pytest tests -q -ra -n $(PYTEST_WORKERS) --ignore=tests/integrations $(PYTEST_ARGS)"
+	@echo "$(PY) -m pytest tests -q -ra -n $(PYTEST_WORKERS) --ignore=tests/integrations --ignore=tests/test_cuda_sim.py $(PYTEST_ARGS)"
 	@rc=0; PYTHONPATH=.ci$${PYTHONPATH:+:$$PYTHONPATH} \
 		$(PY) -m pytest tests -q -ra -n $(PYTEST_WORKERS) -p pytest_gpu_summary \
-		--ignore=tests/integrations $(PYTEST_ARGS) || rc=$$?; \
+		--ignore=tests/integrations --ignore=tests/test_cuda_sim.py $(PYTEST_ARGS) || rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests (exit 5)" >&2; fi; \
 	exit $$rc
 
@@ -224,6 +226,27 @@ test-cpu-torch: $(CPU_VENV)/.stamp-deps sdist
 		assert ruda_torch.compiled_backends() == ('cpu',)"
 	cd build && ../$(CPU_VENV)/bin/python -m pytest -q -p no:cacheprovider \
 		$(addprefix ../,$(CPU_TESTS))
+
+# Note [CUDA emulation] (csrc/cuda_sim/cuda_sim.h): the CUDA kernels built as C++ for an
+# emulated device and compared bit for bit with the CPU kernels (tests/test_cuda_sim.py),
+# then under AddressSanitizer, the concurrent schedule under ThreadSanitizer, and the
+# mutations that must fail (tools/cuda_sim_mutations.py). Needs no GPU and no CUDA
+# toolkit; the sanitizer runs preload the runtimes (Python is not built with them).
+SIM_BUILD = $(PY) -c "import sys; sys.path.insert(0, 'tests/cuda_sim'); from build import load; \
+	load()" 2>/dev/null || true
+ASAN_LIB = $(shell $(CXX) -print-file-name=libasan.so)
+TSAN_LIB = $(shell $(CXX) -print-file-name=libtsan.so)
+test-cuda-sim: $(BUILD_STAMP)
+	$(PY) -m pytest tests/test_cuda_sim.py -q -p no:cacheprovider
+	RUDA_CUDA_SIM_SANITIZE=address $(SIM_BUILD)
+	PYTHONPATH=tests/cuda_sim/no_triton RUDA_CUDA_SIM_SANITIZE=address \
+		LD_PRELOAD=$(ASAN_LIB) ASAN_OPTIONS=detect_leaks=0 \
+		$(PY) -m pytest tests/test_cuda_sim.py -q -p no:cacheprovider -k "not concurrent"
+	RUDA_CUDA_SIM_SANITIZE=thread $(SIM_BUILD)
+	RUDA_CUDA_SIM_SANITIZE=thread LD_PRELOAD=$(TSAN_LIB) \
+		TSAN_OPTIONS="halt_on_error=1 exitcode=66 report_signal_unsafe=0" \
+		$(PY) -m pytest tests/test_cuda_sim.py -q -p no:cacheprovider -k concurrent
+	$(PY) tools/cuda_sim_mutations.py
 
 # tools/check_packaging.sh: the sdist's contents, the isolated-build refusal, a wheel from
 # the sdist in a fresh venv, and the import refusal under another torch (with .venv-cpu).

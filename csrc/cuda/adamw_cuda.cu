@@ -186,7 +186,7 @@ void launch(const AdamWLaunch& L, cudaStream_t stream) {
   if (L.n_units == 0) return;
   const auto kernel = L.amsgrad ? adamw_kernel<P, G, true> : adamw_kernel<P, G, false>;
   const int64_t grid = std::min<int64_t>(L.n_units, max_resident_blocks(kernel, kThreads));
-  kernel<<<static_cast<unsigned>(grid), kThreads, 0, stream>>>(L);
+  launch_kernel(kernel, static_cast<unsigned>(grid), kThreads, stream, L);
   RUDA_CUDA_CHECK_LAUNCH();
 }
 
@@ -215,8 +215,8 @@ void launch_param(const AdamWLaunch& L, cudaStream_t stream) {
 void adamw_cuda(const AdamWLaunch& L, void* stream_ptr) {
   auto stream = static_cast<cudaStream_t>(stream_ptr);
   const int64_t step_blocks = std::min<int64_t>((L.n_tensors + kThreads - 1) / kThreads, 1024);
-  advance_steps_kernel<<<static_cast<unsigned>(step_blocks), kThreads, 0, stream>>>(
-      L.table, L.n_tensors, L.steps, L.control);
+  launch_kernel(advance_steps_kernel, static_cast<unsigned>(step_blocks), kThreads, stream, L.table,
+                L.n_tensors, L.steps, L.control);
   RUDA_CUDA_CHECK_LAUNCH();
   switch (L.param_dtype) {
     case DType::kFloat:

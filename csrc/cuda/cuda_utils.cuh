@@ -114,6 +114,20 @@ __device__ inline void store_vec(float* p, const float* in) {
   }
 }
 
+// Launches `kernel` as `grid` blocks of `threads` threads on `stream`: `<<<...>>>` under
+// nvcc; on the emulated device when the kernels are built as host C++ for the tests (Note
+// [CUDA emulation] in csrc/cuda_sim/cuda_sim.h). Every launch of csrc/cuda goes through it.
+template <typename... Params, typename... Args>
+inline void launch_kernel(void (*kernel)(Params...), unsigned grid, unsigned threads,
+                          cudaStream_t stream, const Args&... args) {
+#ifdef RUDA_CUDA_SIM
+  (void)stream;
+  ::ruda_sim::launch(grid, threads, [&] { kernel(args...); });
+#else
+  kernel<<<grid, threads, 0, stream>>>(args...);
+#endif
+}
+
 // Enough blocks of `kernel` to fill the current device in one wave: SM count x the blocks
 // that fit on one SM at `threads_per_block`, as the kernel's registers and shared memory
 // allow (cudaOccupancyMaxActiveBlocksPerMultiprocessor; 2048 / threads would assume no

@@ -110,7 +110,7 @@ void analyze_gradient_cuda(const StatsLaunch& L, void* stream_ptr) {
   auto run = [&](auto kernel) {
     const auto grid = static_cast<unsigned>(
         std::min<int64_t>(blocks, max_resident_blocks(kernel, kAnalyzeThreads)));
-    kernel<<<grid, kAnalyzeThreads, 0, stream>>>(L);
+    launch_kernel(kernel, grid, kAnalyzeThreads, stream, L);
   };
   switch (L.grad_dtype) {
     case DType::kFloat:
@@ -131,14 +131,14 @@ void analyze_gradient_cuda(const StatsLaunch& L, void* stream_ptr) {
 void merge_gradient_stats_cuda(const float* rows, int64_t n_rows, float* out, void* stream_ptr) {
   const int64_t n_out = (n_rows + kMergeFanIn - 1) / kMergeFanIn;
   const int64_t grid = std::min<int64_t>(n_out, max_resident_blocks(merge_kernel, kMergeLanes));
-  merge_kernel<<<static_cast<unsigned>(grid), kMergeLanes, 0,
-                 static_cast<cudaStream_t>(stream_ptr)>>>(rows, n_rows, out, n_out);
+  launch_kernel(merge_kernel, static_cast<unsigned>(grid), kMergeLanes,
+                static_cast<cudaStream_t>(stream_ptr), rows, n_rows, out, n_out);
   RUDA_CUDA_CHECK_LAUNCH();
 }
 
 void merge_gradient_stats_chunks_cuda(const float* reports, int64_t n, float* out,
                                       void* stream_ptr) {
-  merge_chunks_kernel<<<1, 1, 0, static_cast<cudaStream_t>(stream_ptr)>>>(reports, n, out);
+  launch_kernel(merge_chunks_kernel, 1, 1, static_cast<cudaStream_t>(stream_ptr), reports, n, out);
   RUDA_CUDA_CHECK_LAUNCH();
 }
 

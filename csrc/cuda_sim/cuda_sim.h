@@ -1,0 +1,350 @@
+// An emulated CUDA device: the kernels of csrc/cuda/*.cu compiled as host C++ and run on
+// the CPU with CUDA's semantics where the kernels depend on them.
+//
+// Note [CUDA emulation]
+// No GPU has run this project's CUDA kernels, and a CI machine never has one. The shared
+// math headers make the per-element arithmetic the same on both backends, but what only
+// the CUDA files do (the unit/tile decomposition, wide and scalar accesses, the tail
+// loops, 16-bit bit packing, the step-advance launch, warp shuffles and shared-memory
+// trees, the grid sizing) is tested here by running it:
+// * The .cu sources compile unchanged as C++ with this folder first on the include path:
+//   its cuda_runtime.h, cuda_fp16.h and cuda_bf16.h define the CUDA keywords away,
+//   `__shared__` as `static` (one instance, used by one block at a time), the built-in
+//   index variables as the running emulated thread's, the vector types, the load/store
+//   and conversion intrinsics with the hardware's exact results, and the runtime calls
+//   the launch code makes (an emulated device of kSimSms multiprocessors). Launches go
+//   through ruda::launch_kernel (csrc/cuda/cuda_utils.cuh), `<<<...>>>` under nvcc.
+// * Every CUDA thread of a block is an OS thread; blocks run one at a time (CUDA
+//   promises no order between blocks: the tests run them first to last and last to
+//   first, and require the same bits). Within a block, the scheduler decides who runs:
+//   - kForward / kReverse: exactly one thread runs at a time, until it reaches a barrier
+//     or ends; then the lowest (highest) runnable thread runs. A phase between two
+//     barriers is so executed thread by thread in a fixed order, so a missing
+//     __syncthreads() makes some thread read a value another has not written yet (or
+//     already overwritten) in one of the two orders, and the results differ;
+//   - kConcurrent: all threads run at once with std::barrier, for ThreadSanitizer, which
+//     reports a shared-memory access that no barrier orders (tools/cuda_sim_check.sh).
+//   `__syncthreads()` is a barrier of the block's threads; `__shfl_down_sync` a warp
+//   exchange (each lane publishes its value, the 32 lanes meet, each reads lane + delta,
+//   they meet again): what the kernels rely on (full-warp masks, warp-uniform calls).
+// * Arithmetic is the host's IEEE FP32/FP64 without contraction (-ffp-contract=off):
+//   what nvcc's --fmad=false -prec-div=true -prec-sqrt=true gives (Note [No FMA
+//   contraction] in setup.py). FP16/BF16 conversions are integer operations on the bits.
+// What the emulation cannot show: timing, occupancy, memory coalescing, the real
+// allocator, streams and events, CUDA-graph capture, and what the hardware does that the
+// model above does not (docs/building.md, "The CUDA emulation").
+#pragma once
+
+#include <algorithm>
+#include <atomic>
+#include <barrier>
+#include <condition_variable>
+#include <cstdint>
+#include <cstring>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <stdexcept>
+#include <thread>
+#include <vector>
+
+#define RUDA_CUDA_SIM 1
+#define __global__
+#define __device__
+#define __host__
+#define __forceinline__ inline
+#define __launch_bounds__(...)
+#define __shared__ static
+
+// ---------------------------------------------------------------- types and intrinsics
+
+struct dim3 {
+  unsigned x = 1, y = 1, z = 1;
+  constexpr dim3(unsigned x_ = 1, unsigned y_ = 1, unsigned z_ = 1) : x(x_), y(y_), z(z_) {}
+};
+struct alignas(8) uint2 {
+  uint32_t x, y;
+};
+struct alignas(16) float4 {
+  float x, y, z, w;
+};
+inline uint2 make_uint2(uint32_t x, uint32_t y) { return {x, y}; }
+inline float4 make_float4(float x, float y, float z, float w) { return {x, y, z, w}; }
+
+// Cache-hinted loads and stores: plain accesses of the whole object.
+template <typename T>
+inline T __ldca(const T* p) {
+  return *p;
+}
+template <typename T>
+inline void __stwb(T* p, T v) {
+  *p = v;
+}
+
+inline uint32_t __float_as_uint(float x) {
+  uint32_t b;
+  std::memcpy(&b, &x, sizeof(b));
+  return b;
+}
+inline float __uint_as_float(uint32_t b) {
+  float x;
+  std::memcpy(&x, &b, sizeof(x));
+  return x;
+}
+inline double __longlong_as_double(long long b) {
+  double x;
+  std::memcpy(&x, &b, sizeof(x));
+  return x;
+}
+
+// CUDA's min/max overloads of device code (integers and floats).
+template <typename T>
+inline T min(T a, T b) {
+  return b < a ? b : a;
+}
+template <typename T>
+inline T max(T a, T b) {
+  return a < b ? b : a;
+}
+
+// ---------------------------------------------------------------- the runtime
+
+using cudaStream_t = void*;
+enum cudaError_t { cudaSuccess = 0 };
+enum cudaDeviceAttr { cudaDevAttrMultiProcessorCount = 16 };
+inline const char* cudaGetErrorString(cudaError_t) { return "no error (emulated device)"; }
+inline cudaError_t cudaGetLastError() { return cudaSuccess; }
+inline cudaError_t cudaGetDevice(int* device) {
+  *device = 0;
+  return cudaSuccess;
+}
+
+namespace ruda_sim {
+
+// The emulated device: few multiprocessors, so that the kernels' grid-stride loops run
+// more than one unit per block in the tests.
+constexpr int kSimSms = 2;
+constexpr int kSimBlocksPerSm = 2;
+constexpr int kWarp = 32;
+
+enum class Schedule { kForward, kReverse, kConcurrent };
+
+struct Block;
+struct ThreadCtx {
+  dim3 thread_idx, block_idx, block_dim, grid_dim;
+  Block* block = nullptr;
+  int tid = 0;
+};
+inline thread_local ThreadCtx* current = nullptr;
+
+inline ThreadCtx& ctx() {
+  if (current == nullptr) throw std::logic_error("CUDA built-in used outside an emulated kernel");
+  return *current;
+}
+
+// One block's threads and the scheduler of Note [CUDA emulation].
+struct Block {
+  Schedule schedule;
+  int n;
+  std::vector<float> slots;  // one per thread: the warp exchange of __shfl_down_sync
+  // Serial schedules: the thread holding the token runs; the others wait.
+  std::mutex mutex;
+  std::vector<std::unique_ptr<std::condition_variable>> wake;
+  int token = -1;
+  enum State { kRunnable, kAtBlockBarrier, kAtWarpBarrier, kDone };
+  std::vector<State> state;
+  int at_block = 0, done = 0;
+  std::vector<int> at_warp;
+  // Concurrent schedule.
+  std::unique_ptr<std::barrier<>> block_barrier;
+  std::vector<std::unique_ptr<std::barrier<>>> warp_barriers;
+
+  Block(Schedule s, int threads)
+      : schedule(s), n(threads), slots(threads), state(threads, kRunnable) {
+    const int warps = (threads + kWarp - 1) / kWarp;
+    at_warp.assign(warps, 0);
+    if (s == Schedule::kConcurrent) {
+      block_barrier = std::make_unique<std::barrier<>>(threads);
+      for (int w = 0; w < warps; ++w) {
+        warp_barriers.push_back(std::make_unique<std::barrier<>>(warp_size(w)));
+      }
+    } else {
+      for (int i = 0; i < threads; ++i) wake.push_back(std::make_unique<std::condition_variable>());
+    }
+  }
+
+  int warp_size(int w) const { return std::min(kWarp, n - w * kWarp); }
+
+  // The next thread to run (lowest or highest runnable), or -1; mutex held.
+  int next_runnable() const {
+    if (schedule == Schedule::kForward) {
+      for (int i = 0; i < n; ++i)
+        if (state[i] == kRunnable) return i;
+    } else {
+      for (int i = n - 1; i >= 0; --i)
+        if (state[i] == kRunnable) return i;
+    }
+    return -1;
+  }
+
+  // Hands the token on and waits until this thread holds it again; mutex held by `lock`.
+  void pass_and_wait(int me, std::unique_lock<std::mutex>& lock) {
+    token = next_runnable();
+    if (token < 0) throw std::logic_error("emulated block deadlocked: no runnable thread");
+    if (token != me) {
+      wake[token]->notify_one();
+      wake[me]->wait(lock, [&] { return token == me; });
+    }
+  }
+
+  void wait_for_start(int me) {
+    std::unique_lock<std::mutex> lock(mutex);
+    wake[me]->wait(lock, [&] { return token == me; });
+  }
+
+  void sync_block(int me) {
+    if (schedule == Schedule::kConcurrent) {
+      block_barrier->arrive_and_wait();
+      return;
+    }
+    std::unique_lock<std::mutex> lock(mutex);
+    state[me] = kAtBlockBarrier;
+    if (++at_block + done == n) {  // the last one: everybody goes on
+      at_block = 0;
+      for (int i = 0; i < n; ++i)
+        if (state[i] == kAtBlockBarrier) state[i] = kRunnable;
+    }
+    pass_and_wait(me, lock);
+  }
+
+  void sync_warp(int me) {
+    const int w = me / kWarp;
+    if (schedule == Schedule::kConcurrent) {
+      warp_barriers[w]->arrive_and_wait();
+      return;
+    }
+    std::unique_lock<std::mutex> lock(mutex);
+    state[me] = kAtWarpBarrier;
+    if (++at_warp[w] == warp_size(w)) {
+      at_warp[w] = 0;
+      for (int i = w * kWarp; i < w * kWarp + warp_size(w); ++i) state[i] = kRunnable;
+    }
+    pass_and_wait(me, lock);
+  }
+
+  void finish(int me) {
+    if (schedule == Schedule::kConcurrent) {
+      block_barrier->arrive_and_drop();
+      return;
+    }
+    std::unique_lock<std::mutex> lock(mutex);
+    state[me] = kDone;
+    ++done;
+    if (at_block > 0 && at_block + done == n) {  // the others wait at a block barrier
+      at_block = 0;
+      for (int i = 0; i < n; ++i)
+        if (state[i] == kAtBlockBarrier) state[i] = kRunnable;
+    }
+    token = next_runnable();
+    if (token >= 0) wake[token]->notify_one();
+  }
+};
+
+inline Schedule& schedule() {
+  static Schedule s = Schedule::kForward;
+  return s;
+}
+
+// Runs `body` as a grid of `grid` blocks of `threads` threads (x dimension only, what
+// the kernels use). Blocks run one at a time, first to last (kForward, kConcurrent) or
+// last to first (kReverse).
+inline void launch(unsigned grid, unsigned threads, const std::function<void()>& body) {
+  if (grid == 0 || threads == 0) return;
+  const Schedule s = schedule();
+  for (unsigned k = 0; k < grid; ++k) {
+    const unsigned b = s == Schedule::kReverse ? grid - 1 - k : k;
+    Block block(s, static_cast<int>(threads));
+    std::vector<std::thread> pool;
+    std::vector<ThreadCtx> contexts(threads);
+    std::exception_ptr failure;
+    std::mutex failure_mutex;
+    pool.reserve(threads);
+    for (unsigned t = 0; t < threads; ++t) {
+      ThreadCtx& c = contexts[t];
+      c.thread_idx = dim3(t);
+      c.block_idx = dim3(b);
+      c.block_dim = dim3(threads);
+      c.grid_dim = dim3(grid);
+      c.block = &block;
+      c.tid = static_cast<int>(t);
+      pool.emplace_back([&block, &c, &body, &failure, &failure_mutex, s] {
+        current = &c;
+        if (s != Schedule::kConcurrent) block.wait_for_start(c.tid);
+        try {
+          body();
+        } catch (...) {
+          const std::lock_guard<std::mutex> lock(failure_mutex);
+          if (!failure) failure = std::current_exception();
+        }
+        block.finish(c.tid);
+        current = nullptr;
+      });
+    }
+    if (s != Schedule::kConcurrent) {
+      std::unique_lock<std::mutex> lock(block.mutex);
+      block.token = block.next_runnable();
+      block.wake[block.token]->notify_one();
+    }
+    for (auto& th : pool) th.join();
+    if (failure) std::rethrow_exception(failure);
+  }
+}
+
+// The warp exchange of __shfl_down_sync: lane + delta's value, or the caller's own past
+// the warp (as the hardware returns it).
+template <typename T>
+inline T shfl_down(T v, unsigned delta) {
+  static_assert(sizeof(T) == sizeof(float), "the kernels shuffle 32-bit values");
+  ThreadCtx& c = ctx();
+  Block& b = *c.block;
+  float bits;
+  std::memcpy(&bits, &v, sizeof(bits));
+  b.slots[c.tid] = bits;
+  b.sync_warp(c.tid);
+  const int lane = c.tid % kWarp;
+  const int w = c.tid / kWarp;
+  T out = v;
+  if (lane + static_cast<int>(delta) < b.warp_size(w))
+    std::memcpy(&out, &b.slots[c.tid + delta], sizeof(out));
+  b.sync_warp(c.tid);
+  return out;
+}
+
+}  // namespace ruda_sim
+
+#define threadIdx (::ruda_sim::ctx().thread_idx)
+#define blockIdx (::ruda_sim::ctx().block_idx)
+#define blockDim (::ruda_sim::ctx().block_dim)
+#define gridDim (::ruda_sim::ctx().grid_dim)
+
+inline void __syncthreads() {
+  ::ruda_sim::ThreadCtx& c = ::ruda_sim::ctx();
+  c.block->sync_block(c.tid);
+}
+
+template <typename T>
+inline T __shfl_down_sync(unsigned mask, T v, unsigned delta) {
+  if (mask != 0xffffffffu) throw std::logic_error("the emulation shuffles full warps only");
+  return ::ruda_sim::shfl_down(v, delta);
+}
+
+inline cudaError_t cudaDeviceGetAttribute(int* value, cudaDeviceAttr attr, int) {
+  *value = attr == cudaDevAttrMultiProcessorCount ? ::ruda_sim::kSimSms : 0;
+  return cudaSuccess;
+}
+
+template <typename Kernel>
+inline cudaError_t cudaOccupancyMaxActiveBlocksPerMultiprocessor(int* blocks, Kernel, int, size_t) {
+  *blocks = ::ruda_sim::kSimBlocksPerSm;
+  return cudaSuccess;
+}

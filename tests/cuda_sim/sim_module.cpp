@@ -1,0 +1,107 @@
+// The emulated CUDA kernels as a Python module (Note [CUDA emulation] in
+// csrc/cuda_sim/cuda_sim.h), for tests/test_cuda_sim.py: each function prepares its launch
+// with the binding code the real CUDA operators use (csrc/bindings.cpp: the same table,
+// tiles and validation; host memory is the emulated device's) and runs the kernels of
+// csrc/cuda/*.cu, included below as C++.
+#include <torch/extension.h>
+
+#include <string>
+
+#include "bindings.h"
+#include "cuda_sim.h"
+#include "grad_stats.h"
+#include "kernels.h"
+
+namespace {
+
+void set_schedule(const std::string& name) {
+  using ruda_sim::Schedule;
+  if (name == "forward") {
+    ruda_sim::schedule() = Schedule::kForward;
+  } else if (name == "reverse") {
+    ruda_sim::schedule() = Schedule::kReverse;
+  } else if (name == "concurrent") {
+    ruda_sim::schedule() = Schedule::kConcurrent;
+  } else {
+    TORCH_CHECK(false, "schedule must be forward, reverse or concurrent, got ", name);
+  }
+}
+
+void adamw(std::vector<at::Tensor> params, std::vector<at::Tensor> grads, const at::Tensor& exp_avg,
+           const at::Tensor& exp_avg_sq, const std::optional<at::Tensor>& max_exp_avg_sq,
+           const at::Tensor& steps, const at::Tensor& slots,
+           const std::optional<at::Tensor>& grad_scale, const std::optional<at::Tensor>& found_inf,
+           const std::optional<at::Tensor>& stats, const std::optional<at::Tensor>& clip_coef,
+           double lr, double beta1, double beta2, double eps, double weight_decay,
+           double max_grad_norm, bool maximize, const std::optional<at::Tensor>& master,
+           const std::optional<at::Tensor>& lr_tensor, int64_t rounding, int64_t seed,
+           bool decoupled) {
+  ruda::PreparedAdamW prep = ruda::prepare_adamw(
+      params, grads, exp_avg, exp_avg_sq, max_exp_avg_sq, steps, slots, grad_scale, found_inf,
+      stats, clip_coef, lr, beta1, beta2, eps, weight_decay, max_grad_norm, maximize, master,
+      lr_tensor, rounding, seed, decoupled, ruda::kCudaTile);
+  if (prep.table.empty()) return;  // as the CUDA operator
+  prep.launch.table = prep.table.data();
+  ruda::adamw_cuda(prep.launch, nullptr);
+}
+
+// adamw() with every slice's state offset moved past 2^31 elements and the state bases
+// moved back by as much: the same memory, reached through 64-bit offsets that no test
+// buffer could have (nothing that large is allocated; the bases are never dereferenced).
+void adamw_far(std::vector<at::Tensor> params, std::vector<at::Tensor> grads,
+               const at::Tensor& exp_avg, const at::Tensor& exp_avg_sq,
+               const std::optional<at::Tensor>& max_exp_avg_sq, const at::Tensor& steps,
+               const at::Tensor& slots, int64_t shift) {
+  ruda::PreparedAdamW prep = ruda::prepare_adamw(
+      params, grads, exp_avg, exp_avg_sq, max_exp_avg_sq, steps, slots, std::nullopt, std::nullopt,
+      std::nullopt, std::nullopt, 1e-2, 0.9, 0.99, 1e-8, 0.1, 0.0, false, std::nullopt,
+      std::nullopt, 0, 0, true, ruda::kCudaTile);
+  if (prep.table.empty()) return;
+  for (ruda::TensorEntry& e : prep.table) e.state_offset += shift;
+  const auto back = [shift](void* base, size_t size) {
+    return base == nullptr ? nullptr
+                           : reinterpret_cast<void*>(reinterpret_cast<uintptr_t>(base) -
+                                                     static_cast<uintptr_t>(shift) * size);
+  };
+  const size_t size = exp_avg.element_size();
+  prep.launch.exp_avg = back(prep.launch.exp_avg, size);
+  prep.launch.exp_avg_sq = back(prep.launch.exp_avg_sq, size);
+  prep.launch.max_exp_avg_sq = back(prep.launch.max_exp_avg_sq, size);
+  prep.launch.table = prep.table.data();
+  ruda::adamw_cuda(prep.launch, nullptr);
+}
+
+void analyze(std::vector<at::Tensor> grads, const std::optional<at::Tensor>& grad_scale,
+             const at::Tensor& rows) {
+  ruda::PreparedStats prep = ruda::prepare_analyze(grads, grad_scale, rows);
+  if (prep.launch.n_rows == 0) return;
+  prep.launch.table = prep.table.data();
+  ruda::analyze_gradient_cuda(prep.launch, nullptr);
+}
+
+void merge(const at::Tensor& rows, const at::Tensor& out) {
+  const int64_t n = ruda::check_merge(rows, out);
+  if (n == 0) return;
+  ruda::merge_gradient_stats_cuda(rows.data_ptr<float>(), n, out.data_ptr<float>(), nullptr);
+}
+
+void merge_chunks(const at::Tensor& reports, const at::Tensor& out) {
+  const int64_t n = ruda::check_merge_chunks(reports, out);
+  ruda::merge_gradient_stats_chunks_cuda(reports.data_ptr<float>(), n, out.data_ptr<float>(),
+                                         nullptr);
+}
+
+// The grid the launch code sizes from the emulated device (kSimSms x kSimBlocksPerSm).
+int64_t resident_blocks() { return int64_t(ruda_sim::kSimSms) * ruda_sim::kSimBlocksPerSm; }
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("set_schedule", &set_schedule);
+  m.def("adamw", &adamw);
+  m.def("adamw_far", &adamw_far);
+  m.def("analyze", &analyze);
+  m.def("merge", &merge);
+  m.def("merge_chunks", &merge_chunks);
+  m.def("resident_blocks", &resident_blocks);
+}

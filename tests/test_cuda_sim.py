@@ -1,0 +1,278 @@
+"""The CUDA kernels, executed on the emulated device (Note [CUDA emulation] in
+csrc/cuda_sim/cuda_sim.h), against the CPU kernels: the same inputs through both, equal
+bits required (parameters, moments, AMSGrad maxima, masters, step counters, statistics
+rows, merged reports). Every variant the CUDA code has: parameter dtypes FP32, FP64,
+FP16, BF16 with their gradient dtypes, AMSGrad, master weights, stochastic rounding,
+Adam's L2 decay, skipped steps, the wide-access and the scalar (unaligned) paths, sizes
+0, 1, 3, 97, 1025, a tile boundary, 65537 in one bucket with empty tensors between, a slice
+past 2^31 elements (a fake base, nothing that large allocated), statistics of every
+gradient dtype with non-finite values, merges past one chunk; each under both serial
+schedules (threads and blocks first to last, and last to first) and the concurrent one.
+Built by tests/cuda_sim/build.py, run by `make test-cuda-sim` (also under
+AddressSanitizer); needs neither a GPU nor a CUDA toolkit.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from ruda_torch import ops
+
+ROOT = Path(__file__).resolve().parents[1]
+SCHEDULES = ["forward", "reverse", "concurrent"]
+SIZES = [0, 1, 3, 0, 97, 1025, 4096, 4097, 0, 65537]  # empty tensors between, a tile edge
+# What each __global__ kernel of csrc/cuda is run by here (test_every_kernel_is_emulated).
+COVERED = {
+    "advance_steps_kernel": "test_update_matches_cpu",
+    "adamw_kernel": "test_update_matches_cpu",
+    "analyze_kernel": "test_analyze_matches_cpu",
+    "merge_kernel": "test_merge_matches_cpu",
+    "merge_chunks_kernel": "test_merge_chunks_matches_cpu",
+}
+
+
+@pytest.fixture(scope="module")
+def sim():
+    import sys
+
+    sys.path.insert(0, str(ROOT / "tests" / "cuda_sim"))
+    from build import load
+
+    return load()
+
+
+@pytest.fixture(params=SCHEDULES)
+def schedule(request, sim):
+    sim.set_schedule(request.param)
+    yield request.param
+    sim.set_schedule("forward")
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    view = {torch.float32: torch.int32, torch.float64: torch.int64,
+            torch.float16: torch.int16, torch.bfloat16: torch.int16}  # fmt: skip
+    return t.contiguous().view(view[t.dtype])
+
+
+def _same(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
+    assert a.dtype == b.dtype and a.shape == b.shape, what
+    diff = (_bits(a) != _bits(b)).reshape(-1).nonzero()
+    assert diff.numel() == 0, (
+        f"{what}: {diff.numel()} elements differ, first at {diff[0].item()}: emulated CUDA "
+        f"{a.reshape(-1)[diff[0]].item()!r} vs CPU {b.reshape(-1)[diff[0]].item()!r}"
+    )
+
+
+# ------------------------------------------------------------------ the update
+
+
+def _bucket(pdtype, gdtype, amsgrad, master, sizes, unaligned, seed):
+    """Parameters (one of them a view at an odd offset, not 16-byte aligned, when
+    ``unaligned``), gradients with a non-finite-free spread of magnitudes, flat state with
+    16-element aligned slices, step counters with different values."""
+    gen = torch.Generator().manual_seed(seed)
+    sdtype = torch.float64 if pdtype == torch.float64 else torch.float32
+    params, grads, slots, offset = [], [], [], 0
+    for i, n in enumerate(sizes):
+        base = torch.randn(n + 1, generator=gen, dtype=torch.float64)
+        p = (base[1:] if unaligned and i % 2 else base[:n]).to(pdtype)
+        if unaligned and i % 2:
+            p = torch.empty(n + 1, dtype=pdtype)[1:].copy_(base[1:])  # odd element offset
+        params.append(p)
+        grads.append((torch.randn(n, generator=gen, dtype=torch.float64) * 3).to(gdtype))
+        slots.append([offset, i])
+        offset += -(-n // 16) * 16
+    total = max(offset, 1)
+    exp_avg = (torch.randn(total, generator=gen, dtype=torch.float64) * 0.1).to(sdtype)
+    exp_avg_sq = torch.rand(total, generator=gen, dtype=torch.float64).to(sdtype) * 0.01
+    vmax = exp_avg_sq + 0.003 if amsgrad else None
+    steps = torch.arange(len(sizes), dtype=torch.float32) * 3
+    m = None
+    if master:
+        m = torch.randn(total, generator=gen)
+        for p, (off, _) in zip(params, slots, strict=True):
+            m[off : off + p.numel()] = p.float()  # masters the parameters were rounded from
+            m[off : off + p.numel() : 3] += 1e-3  # and some written since (the param wins)
+    return dict(params=params, grads=grads, exp_avg=exp_avg, exp_avg_sq=exp_avg_sq,
+                max_exp_avg_sq=vmax, steps=steps,
+                slots=torch.tensor(slots, dtype=torch.int64).reshape(-1, 2), master=m)  # fmt: skip
+
+
+def _clone(state: dict) -> dict:
+    out = {}
+    for k, v in state.items():
+        if isinstance(v, list):
+            out[k] = [t.clone() if k == "params" else t for t in v]
+        elif isinstance(v, torch.Tensor):
+            out[k] = v.clone()
+        else:
+            out[k] = v
+    for i, p in enumerate(state["params"]):  # keep the odd offsets of unaligned views
+        if p.storage_offset() % 2:
+            q = torch.empty(p.numel() + 1, dtype=p.dtype)[1:]
+            out["params"][i] = q.copy_(p)
+    return out
+
+
+def _run_both(sim, state, *, stats=None, found_inf=None, grad_scale=None, clip_coef=None,
+              max_grad_norm=0.0, lr=1e-2, wd=0.1, maximize=False, rounding=0, seed=0,
+              decoupled=True, lr_tensor=None):  # fmt: skip
+    cpu, emu = _clone(state), _clone(state)
+    common = dict(lr=lr, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=wd, maximize=maximize,
+                  grad_scale=grad_scale, found_inf=found_inf, stats=stats,
+                  max_grad_norm=max_grad_norm, clip_coef=clip_coef)  # fmt: skip
+    ops.adamw_scaled_(cpu["params"], cpu["grads"], cpu["exp_avg"], cpu["exp_avg_sq"],
+                      cpu["max_exp_avg_sq"], cpu["steps"], cpu["slots"], **common,
+                      master=cpu["master"], lr_tensor=lr_tensor,
+                      stochastic_rounding=rounding == 1, seed=seed, decoupled=decoupled)  # fmt: skip
+    sim.adamw(emu["params"], emu["grads"], emu["exp_avg"], emu["exp_avg_sq"],
+              emu["max_exp_avg_sq"], emu["steps"], emu["slots"], grad_scale, found_inf, stats,
+              clip_coef, 0.0 if lr_tensor is not None else lr, 0.9, 0.99, 1e-8, wd,
+              max_grad_norm, maximize, emu["master"], lr_tensor, rounding, ops._seed64(seed),
+              decoupled)  # fmt: skip
+    return cpu, emu
+
+
+def _compare(cpu, emu, what):
+    for i, (a, b) in enumerate(zip(emu["params"], cpu["params"], strict=True)):
+        _same(a, b, f"{what}: params[{i}]")
+    for key in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "steps", "master"):
+        if cpu[key] is not None:
+            _same(emu[key], cpu[key], f"{what}: {key}")
+
+
+VARIANTS = [
+    # (parameter dtype, gradient dtype, amsgrad, master, stochastic rounding, decoupled)
+    (torch.float32, torch.float32, False, False, 0, True),
+    (torch.float32, torch.float32, True, False, 0, False),
+    (torch.float32, torch.float16, False, False, 0, True),
+    (torch.float32, torch.bfloat16, True, False, 0, True),
+    (torch.float64, torch.float64, False, False, 0, True),
+    (torch.float64, torch.float64, True, False, 0, False),
+    (torch.float16, torch.float16, False, False, 0, True),
+    (torch.float16, torch.float32, True, True, 0, True),
+    (torch.float16, torch.float16, False, True, 0, False),
+    (torch.bfloat16, torch.bfloat16, False, False, 0, True),
+    (torch.bfloat16, torch.bfloat16, True, False, 1, True),
+    (torch.bfloat16, torch.float32, False, True, 0, False),
+    (torch.bfloat16, torch.bfloat16, False, False, 1, False),
+]
+
+
+def _vid(v) -> str:
+    p, g, ams, master, sr, dec = v
+    name = f"{str(p)[6:]}-{str(g)[6:]}"
+    return name + "".join(s for s, on in ((("-amsgrad"), ams), ("-master", master),
+                                          ("-stochastic", sr), ("-l2", not dec)) if on)  # fmt: skip
+
+
+@pytest.mark.parametrize("unaligned", [False, True], ids=["aligned", "unaligned"])
+@pytest.mark.parametrize("variant", VARIANTS, ids=[_vid(v) for v in VARIANTS])
+def test_update_matches_cpu(sim, schedule, variant, unaligned):
+    pdtype, gdtype, amsgrad, master, rounding, decoupled = variant
+    state = _bucket(pdtype, gdtype, amsgrad, master, SIZES, unaligned, seed=7)
+    cpu, emu = _run_both(sim, state, rounding=rounding, seed=2**63 + 5, decoupled=decoupled,
+                         maximize=amsgrad, grad_scale=torch.tensor([2.0]),
+                         clip_coef=torch.tensor([0.75]))  # fmt: skip
+    _compare(cpu, emu, _vid(variant))
+    assert cpu["steps"].tolist() == (torch.arange(len(SIZES)) * 3 + 1).float().tolist()
+
+
+@pytest.mark.parametrize("control", ["found_inf", "stats-skip", "stats-clip", "lr-tensor",
+                                     "bad-scale"])  # fmt: skip
+def test_update_controls_match_cpu(sim, schedule, control):
+    """What the kernels read from device memory: a skip (found_inf, a non-finite count, a
+    scale that cannot divide), the clip from the statistics, a Tensor lr."""
+    state = _bucket(torch.float32, torch.float32, True, False, [97, 1025, 5], True, seed=3)
+    kwargs = dict(
+        found_inf=dict(found_inf=torch.tensor([1.0])),
+        **{"stats-skip": dict(stats=torch.tensor([4.0, 1.0, 2.0]), max_grad_norm=1.0),
+           "stats-clip": dict(stats=torch.tensor([400.0, 9.0, 0.0]), max_grad_norm=1.0),
+           "lr-tensor": dict(lr_tensor=torch.tensor([3e-3], dtype=torch.float64)),
+           "bad-scale": dict(grad_scale=torch.tensor([0.0]))},
+    )[control]  # fmt: skip
+    before = _clone(state)
+    cpu, emu = _run_both(sim, state, **kwargs)
+    _compare(cpu, emu, control)
+    if control in ("found_inf", "stats-skip", "bad-scale"):
+        _compare(cpu, before, f"{control} leaves everything as it was")
+
+
+def test_update_past_2_31_elements(sim, schedule):
+    """A slice whose state offset is past 2^31 elements: the launch's state base is moved
+    back by 2^31 elements and the table's offsets forward (64-bit offsets end to end),
+    without allocating 8 GiB; the result equals the plain launch's."""
+    state = _bucket(torch.float32, torch.float32, True, False, [97, 5000], False, seed=11)
+    plain = _clone(state)
+    far = _clone(state)
+    sim.adamw(plain["params"], plain["grads"], plain["exp_avg"], plain["exp_avg_sq"],
+              plain["max_exp_avg_sq"], plain["steps"], plain["slots"], None, None, None, None,
+              1e-2, 0.9, 0.99, 1e-8, 0.1, 0.0, False, None, None, 0, 0, True)  # fmt: skip
+    sim.adamw_far(far["params"], far["grads"], far["exp_avg"], far["exp_avg_sq"],
+                  far["max_exp_avg_sq"], far["steps"], far["slots"], 2**31 + 16)  # fmt: skip
+    _compare(far, plain, "offsets past 2^31")
+
+
+# ------------------------------------------------------------------ the statistics
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+def test_analyze_matches_cpu(sim, schedule, dtype):
+    gen = torch.Generator().manual_seed(5)
+    grads = [(torch.randn(n, generator=gen) * 50).to(dtype) for n in SIZES]
+    grads[5][7] = float("inf")
+    grads[7][4096] = float("nan")
+    grads[9][65536] = float("-inf")
+    rows_n = sum(ops.stats_rows_for(g.numel()) for g in grads)
+    for scale in (None, torch.tensor([8.0])):
+        cpu = torch.full((rows_n, 3), -1.0)
+        emu = torch.full((rows_n, 3), -1.0)
+        ops.analyze_gradient(grads, cpu, scale)
+        sim.analyze(grads, scale, emu)
+        _same(emu, cpu, f"analyze rows, scale {scale}")
+
+
+@pytest.mark.parametrize("n_rows", [1, 3, 1024, 1025, 3000, 6000])  # 6000: blocks loop over rows
+def test_merge_matches_cpu(sim, schedule, n_rows):
+    gen = torch.Generator().manual_seed(n_rows)
+    rows = torch.rand(n_rows, 3, generator=gen) * torch.tensor([1e3, 10.0, 0.0])
+    rows[:, 2] = (torch.rand(n_rows, generator=gen) < 0.01).float()
+    n_out = -(-n_rows // 1024)
+    cpu, emu = torch.full((n_out, 3), -1.0), torch.full((n_out, 3), -1.0)
+    ops.merge_gradient_stats(rows, cpu)
+    sim.merge(rows, emu)
+    _same(emu, cpu, f"merge of {n_rows} rows")
+
+
+@pytest.mark.parametrize("n", [1, 2, 7])
+def test_merge_chunks_matches_cpu(sim, schedule, n):
+    reports = torch.rand(n, 3, generator=torch.Generator().manual_seed(n)) * 100
+    cpu, emu = torch.empty(3), torch.empty(3)
+    ops.merge_gradient_stats_chunks(reports, cpu)
+    sim.merge_chunks(reports, emu)
+    _same(emu, cpu, f"fold of {n} reports")
+
+
+def test_grid_is_sized_from_the_emulated_device(sim):
+    """The launch code sizes grids from the device's occupancy (max_resident_blocks): on
+    the emulated device, smaller than the work, so that blocks loop over units."""
+    assert sim.resident_blocks() == 4
+
+
+def test_every_kernel_is_emulated():
+    """Every __global__ function of csrc/cuda has a test here: a new kernel without one
+    fails."""
+    found = set()
+    for path in sorted((ROOT / "csrc" / "cuda").glob("*.cu")):
+        text = path.read_text()
+        for m in re.finditer(r"__global__\s+void\s+(?:__launch_bounds__\([^)]*\)\s*)?(\w+)", text):
+            found.add(m.group(1))
+    assert found, "no __global__ function found: the pattern is stale"
+    missing = sorted(found - set(COVERED))
+    assert not missing, f"kernels without an emulated test: {missing}"
+    for test in set(COVERED.values()):
+        assert test in globals(), test

@@ -1,0 +1,156 @@
+"""Shows that the CUDA emulation catches what it is there to catch (Note [CUDA emulation] in
+csrc/cuda_sim/cuda_sim.h): each mutation below is applied to a copy of csrc/cuda, the
+emulated kernels are built from the copy, and the tests that cover the mutated code must
+fail. Run by `make test-cuda-sim`; exits nonzero when a mutation survives.
+
+Mutations: every __syncthreads() of the statistics kernels removed in turn (the serial
+schedules make the phases run thread by thread, first to last and last to first, so a
+thread reads a value not yet written or already replaced; the barrier that only orders
+thread 0's next write after the other threads' reads of a value they do not use is
+caught by ThreadSanitizer in the concurrent schedule); the tail loops of the update and of
+the statistics stopping one element early (different bits) or going one past the end
+(AddressSanitizer: the test buffers end where the tensors do); a shuffle offset off by
+one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+MUTANT = ROOT / "build" / "cuda_sim" / "mutant"  # one fixed folder: ninja rebuilds one object
+
+
+def _syncthreads(n: int):
+    def apply(text: str) -> str:
+        parts = text.split("__syncthreads();")
+        assert len(parts) > n + 1, f"fewer than {n + 1} __syncthreads() in grad_stats_cuda.cu"
+        return (
+            "__syncthreads();".join(parts[: n + 1])
+            + "/* removed */"
+            + "__syncthreads();".join(parts[n + 1 :])
+        )
+
+    return apply
+
+
+def _replace(old: str, new: str):
+    def apply(text: str) -> str:
+        assert text.count(old) == 1, f"the mutation's anchor is stale: {old!r}"
+        return text.replace(old, new)
+
+    return apply
+
+
+# (name, file, mutation, pytest -k expression, the sanitizer that must catch it or None)
+MUTATIONS = [
+    ("syncthreads #1 (after the lanes' stores)", "grad_stats_cuda.cu", _syncthreads(0),
+     "merge_matches_cpu and not concurrent", None),
+    ("syncthreads #2 (between tree levels)", "grad_stats_cuda.cu", _syncthreads(1),
+     "merge_matches_cpu and not concurrent", None),
+    ("syncthreads #3 (before the next row reuses the arrays)", "grad_stats_cuda.cu",
+     _syncthreads(2), "merge_matches_cpu and concurrent", "thread"),
+    ("update tail loop one element short", "adamw_cuda.cu",
+     _replace("for (int64_t kk = k; kk < end; ++kk)", "for (int64_t kk = k; kk < end - 1; ++kk)"),
+     "update_matches_cpu and forward and float32-float32-aligned", None),
+    ("update tail loop one element past the end", "adamw_cuda.cu",
+     _replace("for (int64_t kk = k; kk < end; ++kk)", "for (int64_t kk = k; kk <= end; ++kk)"),
+     "update_matches_cpu and forward and float32-float32-aligned", "address"),
+    ("scalar update loop one element short", "adamw_cuda.cu",
+     _replace("for (int64_t k = begin + threadIdx.x; k < end; k += kThreads)",
+              "for (int64_t k = begin + threadIdx.x; k < end - 1; k += kThreads)"),
+     "update_matches_cpu and forward and unaligned", None),
+    ("statistics row loop one element short", "grad_stats_cuda.cu",
+     _replace("for (int64_t k = lane; k < count; k += kRowLanes)",
+              "for (int64_t k = lane; k < count - 1; k += kRowLanes)"),
+     "analyze_matches_cpu and forward", None),
+    ("warp shuffle offset off by one", "grad_stats_cuda.cu",
+     _replace("__shfl_down_sync(kAll, v.sum_sq, s)", "__shfl_down_sync(kAll, v.sum_sq, s + 1)"),
+     "analyze_matches_cpu and forward", None),
+]  # fmt: skip
+
+
+def sanitizer_env(sanitizer: str) -> dict:
+    """What a run under `sanitizer` needs: the module built with it, its runtime
+    preloaded (Python is not built with it), and for ASan triton hidden
+    (tests/cuda_sim/no_triton)."""
+    lib = subprocess.run(["c++", f"-print-file-name=lib{'tsan' if sanitizer == 'thread' else 'asan'}.so"],
+                         capture_output=True, text=True).stdout.strip()  # fmt: skip
+    env = {"LD_PRELOAD": lib, "RUDA_CUDA_SIM_SANITIZE": sanitizer}
+    if sanitizer == "thread":
+        env["TSAN_OPTIONS"] = "halt_on_error=1 exitcode=66 report_signal_unsafe=0"
+    else:
+        env["ASAN_OPTIONS"] = "detect_leaks=0"
+        env["PYTHONPATH"] = str(ROOT / "tests" / "cuda_sim" / "no_triton")
+    return env
+
+
+def build(env: dict) -> None:
+    """Builds the emulated kernels as `env` selects, outside of any preloaded sanitizer
+    (a ThreadSanitizer module then fails to load here, without its runtime preloaded: the
+    test run that follows loads it; a build error shows there too)."""
+    code = "import sys; sys.path.insert(0, 'tests/cuda_sim'); from build import load; load()"
+    subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True)
+
+
+def run(name, file, mutate, select, sanitizer) -> bool:
+    """True when the mutant is caught (its tests fail)."""
+    if MUTANT.exists():
+        for path in (MUTANT / "cuda").glob("*"):
+            path.unlink()
+    (MUTANT / "cuda").mkdir(parents=True, exist_ok=True)
+    for path in (ROOT / "csrc" / "cuda").iterdir():
+        shutil.copy(path, MUTANT / "cuda" / path.name)
+    target = MUTANT / "cuda" / file
+    target.write_text(mutate(target.read_text()))
+    env = dict(os.environ, RUDA_CUDA_SIM_SOURCE=str(MUTANT))
+    start = time.monotonic()
+    if sanitizer:
+        env.update(sanitizer_env(sanitizer))
+        build(dict(env, LD_PRELOAD=""))  # the compiler must not run under the sanitizer
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "tests/test_cuda_sim.py", "-q", "-x", "-p",
+         "no:cacheprovider", "-k", select],
+        cwd=ROOT, env=env, capture_output=True, text=True,
+    )  # fmt: skip
+    took = time.monotonic() - start
+    tail = (proc.stdout + proc.stderr).strip().splitlines()
+    summary = next((line for line in reversed(tail) if "passed" in line or "failed" in line
+                    or "ThreadSanitizer" in line), tail[-1] if tail else "")  # fmt: skip
+    caught = proc.returncode not in (0, 5)
+    if (
+        "error: " in proc.stdout + proc.stderr
+        and "Error building extension" in proc.stdout + proc.stderr
+    ):
+        caught = False  # a mutant that does not build proves nothing
+        summary = "the mutant did not build"
+    print(f"{'caught ' if caught else 'SURVIVED'} {name} ({took:.0f} s): {summary}", flush=True)
+    return caught
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sanitizers", action=argparse.BooleanOptionalAction, default=True,
+                        help="also run the mutations only a sanitizer can catch")  # fmt: skip
+    args = parser.parse_args()
+    caught = survived = 0
+    for name, file, mutate, select, sanitizer in MUTATIONS:
+        if sanitizer and not args.sanitizers:
+            print(f"skipped  {name} (--no-sanitizers)")
+            continue
+        if run(name, file, mutate, select, sanitizer):
+            caught += 1
+        else:
+            survived += 1
+    print(f"cuda-sim mutations: {caught} caught, {survived} survived")
+    return 1 if survived else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
