@@ -17,14 +17,15 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-MUTANT = ROOT / "build" / "cuda_sim" / "mutant"  # one fixed folder: ninja rebuilds one object
+# The folder tests/cuda_sim/build.py compiles the kernels from: a mutant there recompiles
+# only the kernels' object in each variant's build folder.
+MUTANT = ROOT / "build" / "cuda_sim" / "src"
 
 
 def _syncthreads(n: int):
@@ -101,12 +102,10 @@ def build(env: dict) -> None:
 
 def run(name, file, mutate, select, sanitizer) -> bool:
     """True when the mutant is caught (its tests fail)."""
-    if MUTANT.exists():
-        for path in (MUTANT / "cuda").glob("*"):
-            path.unlink()
-    (MUTANT / "cuda").mkdir(parents=True, exist_ok=True)
-    for path in (ROOT / "csrc" / "cuda").iterdir():
-        shutil.copy(path, MUTANT / "cuda" / path.name)
+    sys.path.insert(0, str(ROOT / "tests" / "cuda_sim"))
+    from build import sync_sources
+
+    sync_sources(MUTANT)
     target = MUTANT / "cuda" / file
     target.write_text(mutate(target.read_text()))
     env = dict(os.environ, RUDA_CUDA_SIM_SOURCE=str(MUTANT))
@@ -139,17 +138,25 @@ def main() -> int:
     parser.add_argument("--sanitizers", action=argparse.BooleanOptionalAction, default=True,
                         help="also run the mutations only a sanitizer can catch")  # fmt: skip
     args = parser.parse_args()
-    caught = survived = 0
+    try:
+        caught, survived = _run_all(args)
+    finally:  # the sources as they are, for the next build
+        sys.path.insert(0, str(ROOT / "tests" / "cuda_sim"))
+        from build import sync_sources
+
+        sync_sources(MUTANT)
+    print(f"cuda-sim mutations: {len(caught)} caught, {len(survived)} survived")
+    return 1 if survived else 0
+
+
+def _run_all(args) -> tuple[list, list]:
+    caught, survived = [], []
     for name, file, mutate, select, sanitizer in MUTATIONS:
         if sanitizer and not args.sanitizers:
             print(f"skipped  {name} (--no-sanitizers)")
             continue
-        if run(name, file, mutate, select, sanitizer):
-            caught += 1
-        else:
-            survived += 1
-    print(f"cuda-sim mutations: {caught} caught, {survived} survived")
-    return 1 if survived else 0
+        (caught if run(name, file, mutate, select, sanitizer) else survived).append(name)
+    return caught, survived
 
 
 if __name__ == "__main__":

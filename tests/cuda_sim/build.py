@@ -2,8 +2,9 @@
 (Note [CUDA emulation] in csrc/cuda_sim/cuda_sim.h): the kernels of csrc/cuda compiled as
 C++, the binding code that prepares their launches, and tests/cuda_sim/sim_module.cpp.
 ``RUDA_CUDA_SIM_SANITIZE=address`` builds it with AddressSanitizer (run with libasan
-preloaded, as `make test-cuda-sim` does); ``RUDA_CUDA_SIM_SOURCE`` replaces the folder of
-the .cu files (the mutation check builds mutated copies). Needs neither a GPU nor a CUDA
+preloaded, as `make test-cuda-sim` does); The kernels are compiled from a copy of csrc/cuda in build/cuda_sim/src (kept in step
+here); with ``RUDA_CUDA_SIM_SOURCE`` set, from that folder as it is (the mutation check
+writes its mutants there). Needs neither a GPU nor a CUDA
 toolkit."""
 
 from __future__ import annotations
@@ -16,11 +17,31 @@ ROOT = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
 
 
+SOURCE = ROOT / "build" / "cuda_sim" / "src"
+
+
+def sync_sources(folder: Path = SOURCE) -> None:
+    """Copies csrc/cuda into ``folder``/cuda, rewriting only files whose text differs (an
+    unchanged copy keeps its time, and ninja its object)."""
+    target = folder / "cuda"
+    target.mkdir(parents=True, exist_ok=True)
+    for path in (ROOT / "csrc" / "cuda").iterdir():
+        copy = target / path.name
+        text = path.read_text()
+        if not copy.exists() or copy.read_text() != text:
+            copy.write_text(text)
+
+
 def load(verbose: bool = False):
     from torch.utils.cpp_extension import load as _load
 
     sanitize = os.environ.get("RUDA_CUDA_SIM_SANITIZE", "")
-    source = Path(os.environ.get("RUDA_CUDA_SIM_SOURCE", ROOT / "csrc"))
+    # The kernels are compiled from a copy in one fixed folder (SOURCE), which the
+    # mutation check rewrites: every build of a sanitizer variant then shares one build
+    # folder, and a mutant recompiles only the kernels, not the binding code.
+    source = Path(os.environ.get("RUDA_CUDA_SIM_SOURCE", SOURCE))
+    if "RUDA_CUDA_SIM_SOURCE" not in os.environ:
+        sync_sources()
     flags = ["-O1", "-g", "-ffp-contract=off", "-fno-math-errno", "-Wno-unknown-pragmas",
              "-DRUDA_TORCH_WITH_CUDA=1", "-DCPU_CAPABILITY=DEFAULT", "-DCPU_CAPABILITY_DEFAULT",
              "-fvisibility=hidden"]  # fmt: skip
