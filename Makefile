@@ -241,7 +241,7 @@ test-cuda-sim: $(BUILD_STAMP)
 	RUDA_CUDA_SIM_SANITIZE=address $(SIM_BUILD)
 	PYTHONPATH=tests/cuda_sim/no_triton RUDA_CUDA_SIM_SANITIZE=address \
 		LD_PRELOAD=$(ASAN_LIB) ASAN_OPTIONS=detect_leaks=0 \
-		$(PY) -m pytest tests/test_cuda_sim.py -q -p no:cacheprovider -k "forward or reverse"
+		$(PY) -m pytest tests/test_cuda_sim.py -q -p no:cacheprovider -k forward
 	RUDA_CUDA_SIM_SANITIZE=thread $(SIM_BUILD)
 	RUDA_CUDA_SIM_SANITIZE=thread LD_PRELOAD=$(TSAN_LIB) \
 		TSAN_OPTIONS="halt_on_error=1 exitcode=66 report_signal_unsafe=0" \

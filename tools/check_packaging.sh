@@ -78,8 +78,10 @@ result "an isolated build is refused with the --no-build-isolation message" $?
 
 # 3. A wheel from the sdist, against this environment's torch, in a fresh venv.
 start=$SECONDS
-RUDA_TORCH_CUDA=${RUDA_TORCH_CUDA:-0} "$PY" -m pip wheel --no-build-isolation --no-deps \
-  -w "$WORK/wheels" "$SDIST" >"$WORK/wheel.log" 2>&1
+# CPU kernels of the portable ISA only: the other ISA builds are the main build's.
+RUDA_TORCH_CUDA=${RUDA_TORCH_CUDA:-0} RUDA_TORCH_CPU_ISA=${RUDA_TORCH_CPU_ISA:-default} \
+  "$PY" -m pip wheel --no-build-isolation --no-deps -w "$WORK/wheels" "$SDIST" \
+  >"$WORK/wheel.log" 2>&1
 rc=$?
 echo "  pip wheel --no-build-isolation <sdist>: exit $rc after $((SECONDS - start)) s"
 [ "$rc" -eq 0 ] || tail -n 30 "$WORK/wheel.log"

@@ -49,16 +49,21 @@ def load(verbose: bool = False):
     if sanitize:
         flags += [f"-fsanitize={sanitize}", "-fno-omit-frame-pointer"]
         ldflags += [f"-fsanitize={sanitize}"]
-    tag = f"{sanitize or 'plain'}-{hashlib.sha1(str(source).encode()).hexdigest()[:10]}"
-    build_dir = ROOT / "build" / "cuda_sim" / tag
+    digest = hashlib.sha1(str(source).encode()).hexdigest()[:10]
+    build_dir = ROOT / "build" / "cuda_sim" / f"{sanitize or 'plain'}-{digest}"
     build_dir.mkdir(parents=True, exist_ok=True)
+    sources = [str(HERE / "sim_module.cpp"), str(HERE / "kernels_sim.cpp")]
+    # The binding code prepares launches on the host and is not what the sanitizers are
+    # for: a sanitizer build links the plain build's object when there is one (it is the
+    # slowest file to compile), else compiles it.
+    plain = ROOT / "build" / "cuda_sim" / f"plain-{digest}" / "bindings.o"
+    if sanitize and plain.exists():
+        ldflags.append(str(plain))
+    else:
+        sources.append(str(ROOT / "csrc" / "bindings.cpp"))
     return _load(
         name="ruda_torch_cuda_sim",
-        sources=[
-            str(HERE / "sim_module.cpp"),
-            str(HERE / "kernels_sim.cpp"),
-            str(ROOT / "csrc" / "bindings.cpp"),
-        ],  # fmt: skip
+        sources=sources,
         # csrc/cuda_sim first: its cuda_runtime.h, cuda_fp16.h and cuda_bf16.h are the device.
         extra_include_paths=[str(ROOT / "csrc" / "cuda_sim"), str(source), str(ROOT / "csrc")],
         extra_cflags=flags,
