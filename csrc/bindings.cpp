@@ -366,6 +366,21 @@ PreparedStats prepare_flat_analyze(const FlatBucket& fb, int64_t lo, int64_t hi,
   return prep;
 }
 
+int64_t flat_table_words(const FlatBucket& fb) { return static_cast<int64_t>(fb.table.size()) * 6; }
+
+bool flat_update_table_stale(const FlatBucket& fb) { return !fb.device_table_current; }
+
+void flat_update_table_written(FlatBucket& fb) { fb.device_table_current = true; }
+
+bool flat_stats_piece_stale(const FlatBucket& fb, int64_t lo, int64_t hi) {
+  const std::pair<int64_t, int64_t> key{lo, hi};
+  return std::find(fb.stats_pieces.begin(), fb.stats_pieces.end(), key) == fb.stats_pieces.end();
+}
+
+void flat_stats_piece_written(FlatBucket& fb, int64_t lo, int64_t hi) {
+  fb.stats_pieces.emplace_back(lo, hi);
+}
+
 void flat_bucket_select(FlatBucket& fb, const std::vector<int64_t>* active) {
   if (active == nullptr) {
     if (fb.all_active) return;

@@ -107,6 +107,20 @@ std::unique_ptr<FlatBucket> make_flat_bucket(
 // Whether parameter i's memory is where the table says.
 bool flat_param_current(const FlatBucket& fb, size_t i);
 
+// Note [Flat device tables]: a flat bucket's tables live in device memory at fixed
+// addresses (a CUDA graph that captured a step reads them at every replay): the update
+// table, the selected subset's entries from word 0, and the statistics table, piece
+// [lo, hi) of the subset at entry lo, each one entry (6 words) per parameter. These say
+// what must be written before a launch, with no device involved, so that the CUDA
+// emulation (tests/test_cuda_sim.py) runs the same rules as csrc/cuda/ops_cuda.cpp:
+// the update table after every change of the subset, a statistics piece once per subset.
+// `*_written` records a write that succeeded (a refused one leaves the table stale).
+int64_t flat_table_words(const FlatBucket& fb);
+bool flat_update_table_stale(const FlatBucket& fb);
+void flat_update_table_written(FlatBucket& fb);
+bool flat_stats_piece_stale(const FlatBucket& fb, int64_t lo, int64_t hi);
+void flat_stats_piece_written(FlatBucket& fb, int64_t lo, int64_t hi);
+
 // Makes `active` (parameter indices, ascending; null = all) the launch's table subset.
 void flat_bucket_select(FlatBucket& fb, const std::vector<int64_t>* active);
 

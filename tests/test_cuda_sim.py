@@ -6,7 +6,8 @@ FP16, BF16 with their gradient dtypes, AMSGrad, master weights, stochastic round
 Adam's L2 decay, skipped steps, the wide-access and the scalar (unaligned) paths, sizes
 0, 1, 3, 97, 1025, a tile boundary, 65537 in one bucket with empty tensors between, a slice
 past 2^31 elements (a fake base, nothing that large allocated), statistics of every
-gradient dtype with non-finite values, merges past one chunk; each under both serial
+gradient dtype with non-finite values, merges past one chunk, a flat-gradient bucket's
+device tables through changing subsets; each under both serial
 schedules (threads and blocks first to last, and last to first) and the concurrent one.
 Built by tests/cuda_sim/build.py, run by `make test-cuda-sim` (also under
 AddressSanitizer); needs neither a GPU nor a CUDA toolkit.
@@ -276,3 +277,58 @@ def test_every_kernel_is_emulated():
     assert not missing, f"kernels without an emulated test: {missing}"
     for test in set(COVERED.values()):
         assert test in globals(), test
+
+
+# ------------------------------------------------------------------ flat buckets
+
+
+def test_flat_bucket_tables_follow_the_subsets(sim, schedule):
+    """A flat-gradient bucket (Note [Flat gradient buckets]) stepped on the emulated
+    device through its device tables, written by the rules of Note [Flat device tables]
+    (csrc/bindings.h, shared with csrc/cuda/ops_cuda.cpp): the update table after every
+    change of the subset of parameters with a gradient and only then, a statistics piece
+    once per subset; every step and every statistics row equal the CPU kernels' on the
+    same subset."""
+    sizes = [97, 0, 1025, 3, 4097]
+    gen = torch.Generator().manual_seed(21)
+    offsets, total = [], 0
+    for n in sizes:
+        offsets.append(total)
+        total += -(-n // 16) * 16
+    grad = torch.randn(total, generator=gen)
+    views = [torch.empty(0).set_(grad.untyped_storage(), off, (n,)) for off, n in
+             zip(offsets, sizes, strict=True)]  # fmt: skip
+    params = [torch.randn(n, generator=gen) for n in sizes]
+    slots = torch.tensor([[off, i] for i, off in enumerate(offsets)], dtype=torch.int64)
+    state = dict(exp_avg=torch.zeros(total), exp_avg_sq=torch.zeros(total),
+                 vmax=torch.zeros(total), steps=torch.zeros(len(sizes)))  # fmt: skip
+    cpu = {k: v.clone() for k, v in state.items()}
+    cpu_params = [p.clone() for p in params]
+    flat = sim.flat_new(params, params, views, grad, state["exp_avg"], state["exp_avg_sq"],
+                        state["vmax"], state["steps"], slots, None)  # fmt: skip
+    subsets = [None, [0, 2, 4], [0, 2, 4], None, [1, 3], None, [0, 2, 4]]
+    for step, active in enumerate(subsets):
+        grad.copy_(torch.randn(total, generator=gen))
+        ids = list(range(len(sizes))) if active is None else active
+        sim.flat_step(flat, active, True, 1e-2, 0.1, None, None, 0.0)
+        ops.adamw_scaled_([cpu_params[i] for i in ids], [views[i] for i in ids], cpu["exp_avg"],
+                          cpu["exp_avg_sq"], cpu["vmax"], cpu["steps"], slots[ids].contiguous(),
+                          lr=1e-2, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.1)  # fmt: skip
+        for i, (a, b) in enumerate(zip(params, cpu_params, strict=True)):
+            _same(a, b, f"step {step} ({active}): param {i}")
+        for key in ("exp_avg", "exp_avg_sq", "vmax", "steps"):
+            _same(state[key], cpu[key], f"step {step} ({active}): {key}")
+        # The statistics of the subset in two pieces, as the optimizer splits a large one.
+        half = len(ids) // 2
+        for lo, hi in ((0, half), (half, len(ids))):
+            rows_n = sum(ops.stats_rows_for(sizes[i]) for i in ids[lo:hi])
+            emu, ref = torch.full((rows_n, 3), -1.0), torch.full((rows_n, 3), -1.0)
+            sim.flat_analyze(flat, active, lo, hi, None, emu)
+            ops.analyze_gradient([views[i] for i in ids[lo:hi]], ref)
+            _same(emu, ref, f"step {step} ({active}): statistics piece [{lo}, {hi})")
+    changes = 1 + sum(a != b for a, b in zip(subsets, subsets[1:], strict=False))
+    table_writes, stats_writes = sim.flat_writes(flat)
+    assert table_writes == changes, (table_writes, changes)
+    # Each subset's two pieces, written once per run of equal subsets (an empty piece
+    # [0, 0) of a one-parameter subset has no rows and no write).
+    assert 0 < stats_writes <= 2 * changes

@@ -90,8 +90,8 @@ namespace {
 // A flat bucket's table buffer on the device: an entry per parameter, allocated once.
 void ensure_table(at::Tensor& table, const FlatBucket& fb) {
   if (!table.defined()) {
-    table = at::empty({static_cast<int64_t>(fb.table.size()) * 6},
-                      at::TensorOptions().dtype(at::kLong).device(fb.device));
+    table =
+        at::empty({flat_table_words(fb)}, at::TensorOptions().dtype(at::kLong).device(fb.device));
   }
 }
 
@@ -113,11 +113,11 @@ void launch_flat_cuda(FlatBucket& fb, AdamWLaunch launch) {
   if (fb.active.empty()) return;
   const c10::cuda::CUDAGuard guard(fb.device);
   const auto stream = c10::cuda::getCurrentCUDAStream();
-  ensure_table(fb.device_table, fb);  // device_table_current starts false
-  if (!fb.device_table_current) {
+  ensure_table(fb.device_table, fb);  // Note [Flat device tables] in csrc/bindings.h
+  if (flat_update_table_stale(fb)) {
     const int64_t words = static_cast<int64_t>(fb.active.size()) * 6;
     rewrite_table(fb.device_table.narrow(0, 0, words), fb.active, fb, stream.stream());
-    fb.device_table_current = true;
+    flat_update_table_written(fb);
   }
   launch.table = reinterpret_cast<const TensorEntry*>(fb.device_table.data_ptr<int64_t>());
   adamw_cuda(launch, stream.stream());
@@ -127,12 +127,11 @@ void launch_flat_analyze_cuda(FlatBucket& fb, int64_t lo, int64_t hi, PreparedSt
   if (prep.launch.n_rows == 0) return;
   const c10::cuda::CUDAGuard guard(fb.device);
   const auto stream = c10::cuda::getCurrentCUDAStream();
-  const std::pair<int64_t, int64_t> key{lo, hi};
   ensure_table(fb.stats_device_table, fb);
   at::Tensor slot = fb.stats_device_table.narrow(0, lo * 6, (hi - lo) * 6);
-  if (std::find(fb.stats_pieces.begin(), fb.stats_pieces.end(), key) == fb.stats_pieces.end()) {
-    rewrite_table(slot, prep.table, fb, stream.stream());  // once per subset and piece
-    fb.stats_pieces.push_back(key);
+  if (flat_stats_piece_stale(fb, lo, hi)) {  // once per subset and piece
+    rewrite_table(slot, prep.table, fb, stream.stream());
+    flat_stats_piece_written(fb, lo, hi);
   }
   prep.launch.table = reinterpret_cast<const TensorEntry*>(slot.data_ptr<int64_t>());
   analyze_gradient_cuda(prep.launch, stream.stream());

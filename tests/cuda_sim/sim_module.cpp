@@ -5,6 +5,8 @@
 // csrc/cuda/*.cu, included below as C++.
 #include <torch/extension.h>
 
+#include <cstring>
+#include <memory>
 #include <string>
 
 #include "bindings.h"
@@ -91,6 +93,86 @@ void merge_chunks(const at::Tensor& reports, const at::Tensor& out) {
                                          nullptr);
 }
 
+// A flat bucket (Note [Flat gradient buckets]) on the emulated device: the binding's
+// FlatBucket, with its device tables as host memory written by the rules of Note [Flat
+// device tables] (as csrc/cuda/ops_cuda.cpp writes them), counting the writes.
+struct SimFlat {
+  std::unique_ptr<ruda::FlatBucket> fb;
+  std::vector<int64_t> table, stats_table;
+  int64_t table_writes = 0, stats_writes = 0;
+};
+
+std::shared_ptr<SimFlat> flat_new(std::vector<at::Tensor> owners, std::vector<at::Tensor> params,
+                                  std::vector<at::Tensor> views, const at::Tensor& grad,
+                                  const at::Tensor& exp_avg, const at::Tensor& exp_avg_sq,
+                                  const std::optional<at::Tensor>& max_exp_avg_sq,
+                                  const at::Tensor& steps, const at::Tensor& slots,
+                                  const std::optional<at::Tensor>& master) {
+  auto sim = std::make_shared<SimFlat>();
+  sim->fb = ruda::make_flat_bucket(std::move(owners), std::move(params), std::move(views), grad,
+                                   exp_avg, exp_avg_sq, max_exp_avg_sq, steps, slots, master);
+  // The handle sizes its work units by the tensors' device: these are CPU tensors standing
+  // in for device memory, so the units are made the CUDA tile, as for a CUDA bucket.
+  ruda::FlatBucket& fb = *sim->fb;
+  fb.unit = ruda::kCudaTile;
+  int64_t units = 0;
+  for (ruda::TensorEntry& e : fb.table) {
+    e.unit_start = units;
+    units += (e.numel + fb.unit - 1) / fb.unit;
+  }
+  fb.active = fb.table;
+  const int64_t words = ruda::flat_table_words(fb);
+  sim->table.assign(words, -1);  // as uninitialized device memory: every entry written first
+  sim->stats_table.assign(words, -1);
+  return sim;
+}
+
+void select(SimFlat& sim, const std::optional<std::vector<int64_t>>& active) {
+  ruda::flat_bucket_select(*sim.fb, active ? &*active : nullptr);
+}
+
+void write_entries(std::vector<int64_t>& table, int64_t entry,
+                   const std::vector<ruda::TensorEntry>& entries) {
+  std::memcpy(table.data() + entry * 6, entries.data(), entries.size() * sizeof(entries[0]));
+}
+
+void flat_step(SimFlat& sim, const std::optional<std::vector<int64_t>>& active, bool amsgrad,
+               double lr, double weight_decay, const std::optional<at::Tensor>& grad_scale,
+               const std::optional<at::Tensor>& stats, double max_grad_norm) {
+  ruda::FlatBucket& fb = *sim.fb;
+  select(sim, active);
+  ruda::AdamWLaunch launch = ruda::prepare_flat_step(
+      fb, amsgrad, grad_scale, std::nullopt, stats, std::nullopt, lr, 0.9, 0.99, 1e-8, weight_decay,
+      max_grad_norm, false, std::nullopt, 0, 0, true);
+  if (fb.active.empty()) return;
+  if (ruda::flat_update_table_stale(fb)) {
+    write_entries(sim.table, 0, fb.active);
+    ruda::flat_update_table_written(fb);
+    ++sim.table_writes;
+  }
+  launch.table = reinterpret_cast<const ruda::TensorEntry*>(sim.table.data());
+  ruda::adamw_cuda(launch, nullptr);
+}
+
+void flat_analyze(SimFlat& sim, const std::optional<std::vector<int64_t>>& active, int64_t lo,
+                  int64_t hi, const std::optional<at::Tensor>& grad_scale, const at::Tensor& rows) {
+  ruda::FlatBucket& fb = *sim.fb;
+  select(sim, active);
+  ruda::PreparedStats prep = ruda::prepare_flat_analyze(fb, lo, hi, grad_scale, rows);
+  if (prep.launch.n_rows == 0) return;
+  if (ruda::flat_stats_piece_stale(fb, lo, hi)) {
+    write_entries(sim.stats_table, lo, prep.table);
+    ruda::flat_stats_piece_written(fb, lo, hi);
+    ++sim.stats_writes;
+  }
+  prep.launch.table = reinterpret_cast<const ruda::TensorEntry*>(sim.stats_table.data() + lo * 6);
+  ruda::analyze_gradient_cuda(prep.launch, nullptr);
+}
+
+std::pair<int64_t, int64_t> flat_writes(const SimFlat& sim) {
+  return {sim.table_writes, sim.stats_writes};
+}
+
 // The grid the launch code sizes from the emulated device (kSimSms x kSimBlocksPerSm).
 int64_t resident_blocks() { return int64_t(ruda_sim::kSimSms) * ruda_sim::kSimBlocksPerSm; }
 
@@ -104,4 +186,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("merge", &merge);
   m.def("merge_chunks", &merge_chunks);
   m.def("resident_blocks", &resident_blocks);
+  py::class_<SimFlat, std::shared_ptr<SimFlat>>(m, "SimFlat");
+  m.def("flat_new", &flat_new);
+  m.def("flat_step", &flat_step);
+  m.def("flat_analyze", &flat_analyze);
+  m.def("flat_writes", &flat_writes);
 }
