@@ -91,11 +91,11 @@ bool append_layout(PyObject* obj, std::vector<int64_t>& out) {
 // Whether `t` (or `obj`) still has the layout append_layout() recorded at *want; advances
 // *want past it. Compared in place: unchanged() runs it for every fused parameter at every
 // step.
-bool same_layout_of(const at::Tensor& t, const int64_t** want, const int64_t* end) {
-  if (t.unsafeGetTensorImpl()->has_symbolic_sizes_strides()) return false;
+bool same_layout_of(const c10::TensorImpl& t, const int64_t** want, const int64_t* end) {
+  if (t.has_symbolic_sizes_strides()) return false;
   const int64_t dim = t.dim();
   const int64_t* w = *want;
-  if (end - w < 4 + 2 * dim || w[0] != static_cast<int64_t>(t.scalar_type()) ||
+  if (end - w < 4 + 2 * dim || w[0] != static_cast<int64_t>(t.dtype().toScalarType()) ||
       w[1] != static_cast<int64_t>(t.device().type()) ||
       w[2] != static_cast<int64_t>(t.device().index()) || w[3] != dim) {
     return false;
@@ -111,7 +111,8 @@ bool same_layout_of(const at::Tensor& t, const int64_t** want, const int64_t* en
 }
 
 bool same_layout(PyObject* obj, const int64_t** want, const int64_t* end) {
-  return THPVariable_Check(obj) && same_layout_of(THPVariable_Unpack(obj), want, end);
+  return THPVariable_Check(obj) &&
+         same_layout_of(*THPVariable_Unpack(obj).unsafeGetTensorImpl(), want, end);
 }
 
 // Note [Exact views]
@@ -142,23 +143,13 @@ const int64_t* skip_view(const int64_t* w, const int64_t* end) {
 // on worker threads).
 bool same_view_impl(const c10::TensorImpl& t, const int64_t** want, const int64_t* end) {
   const int64_t* w = *want;
-  if (end - w < 6 || t.has_symbolic_sizes_strides()) return false;
+  if (end - w < 2) return false;
   const auto storage = static_cast<int64_t>(reinterpret_cast<uintptr_t>(
       t.has_storage() ? t.unsafe_storage().unsafeGetStorageImpl() : nullptr));
-  const int64_t dim = t.dim();
-  if (w[0] != storage || w[1] != (t.has_storage() ? t.storage_offset() : 0) ||
-      w[2] != static_cast<int64_t>(t.dtype().toScalarType()) ||
-      w[3] != static_cast<int64_t>(t.device().type()) ||
-      w[4] != static_cast<int64_t>(t.device().index()) || w[5] != dim || end - w < 6 + 2 * dim) {
-    return false;
-  }
-  w += 6;
-  const auto sizes = t.sizes();
-  const auto strides = t.strides();
-  for (int64_t d = 0; d < dim; ++d) {
-    if (w[d] != sizes[d] || w[dim + d] != strides[d]) return false;
-  }
-  *want = w + 2 * dim;
+  if (w[0] != storage || w[1] != (t.has_storage() ? t.storage_offset() : 0)) return false;
+  w += 2;
+  if (!same_layout_of(t, &w, end)) return false;
+  *want = w;
   return true;
 }
 

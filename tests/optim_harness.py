@@ -134,6 +134,16 @@ def copy_grads(src: nn.Module, dst: nn.Module) -> None:
         pd.grad = None if ps.grad is None else ps.grad.detach().clone()
 
 
+def train_pairs(pairs, steps) -> None:
+    """Step (model_ours, ours, model_torch, theirs) pairs with identical gradients."""
+    for step in steps:
+        for mo, ours, mt, theirs in pairs:
+            backward(mo, step)
+            copy_grads(mo, mt)
+            ours.step()
+            theirs.step()
+
+
 def twin(model: nn.Module) -> nn.Module:
     return copy.deepcopy(model)
 

@@ -31,6 +31,7 @@ from optim_harness import (
     copy_grads,
     make_ours,
     make_torch,
+    train_pairs,
     twin,
 )
 
@@ -49,13 +50,7 @@ def _pair(case: Case, mode: str, **kwargs):
     return mo, ours, mt, theirs
 
 
-def _train(pairs, steps) -> None:
-    for step in steps:
-        for mo, ours, mt, theirs in pairs:
-            backward(mo, step)
-            copy_grads(mo, mt)
-            ours.step()
-            theirs.step()
+_train = train_pairs
 
 
 @pytest.mark.parametrize("mode", MODE_IDS)

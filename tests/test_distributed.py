@@ -227,16 +227,19 @@ def loss_fn(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return nn.functional.mse_loss(out, y)
 
 
-def reference_run(steps: int):
+def reference_run(steps: int, make=None, batch=None, loss=None, max_norm=MAX_GRAD_NORM):
     """Single process, unsharded: torch.optim.AdamW + clip_grad_norm_ on the global batch.
-    Returns the norms clip_grad_norm_ reported and the final parameters by name."""
-    model = make_model()
+    Returns the norms clip_grad_norm_ reported and the final parameters by name. The model,
+    batches, loss and clip norm default to this file's (tests/test_meshes.py passes its
+    own)."""
+    make, batch, loss = make or make_model, batch or global_batch, loss or loss_fn
+    model = make()
     opt = torch.optim.AdamW(model.parameters(), **HP, foreach=False)
     norms = []
     for step in range(steps):
-        x, y = global_batch(step)
-        loss_fn(model(x), y).backward()
-        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_GRAD_NORM).item())
+        x, y = batch(step)
+        loss(model(x), y).backward()
+        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm).item())
         opt.step()
         opt.zero_grad(set_to_none=True)
     return norms, {n: p.detach().clone() for n, p in model.named_parameters()}

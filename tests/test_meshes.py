@@ -34,6 +34,9 @@ from test_distributed import (
     run_scenario,
     same_bits,
 )
+from test_distributed import (
+    reference_run as _reference_run,
+)
 from torch import nn
 
 import ruda_torch
@@ -90,19 +93,11 @@ def loss_fn(out, y):
     return (out - y).square().mean()
 
 
-def reference_run(make, steps: int):
+def reference_run(steps: int):
     """Single process: torch.optim.AdamW + clip_grad_norm_ on the whole model and the
-    global batch. Returns each step's norm and the final parameters by name."""
-    model = make()
-    opt = torch.optim.AdamW(model.parameters(), **HP, foreach=False)
-    norms = []
-    for step in range(steps):
-        x, y = global_batch(step)
-        loss_fn(model(x), y).backward()
-        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_GRAD_NORM).item())
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-    return norms, {n: p.detach().clone() for n, p in model.named_parameters()}
+    global batch (tests/test_distributed.py's, with this file's model and data)."""
+    return _reference_run(steps, make=make_model, batch=global_batch, loss=loss_fn,
+                          max_norm=MAX_GRAD_NORM)  # fmt: skip
 
 
 def _local(t):
@@ -281,7 +276,7 @@ def true_norm(layout: Layout) -> float:
 
 
 def check_layout(rank: int, workdir: str, layout_name: str, options: str) -> None:
-    ref_norms, ref_params = reference_run(make_model, STEPS)
+    ref_norms, ref_params = reference_run(STEPS)
     layout = LAYOUTS[layout_name](rank)
     group = getattr(layout, "partition_group", None)
     opt = ruda_torch.AdamW(layout.params(), **HP, **OPTIONS[options],
@@ -395,7 +390,7 @@ def scenario_zero_checkpoint(rank: int, workdir: str) -> None:
     if rank == 0:
         torch.save(opt.state_dict(), path)
     dist.barrier()
-    ref_norms, _ = reference_run(make_model, STEPS + 2)
+    ref_norms, _ = reference_run(STEPS + 2)
     straight = train(model, opt, range(2, STEPS + 2))
     for step, report in zip(range(2, STEPS + 2), straight, strict=True):
         norm = report[0].sqrt().item()

@@ -39,6 +39,7 @@ from optim_harness import (
     make_torch,
     snapshot,
     split_groups,
+    train_pairs,
     twin,
 )
 from threads import num_threads
@@ -62,14 +63,7 @@ def _one_thread():
         yield
 
 
-def _train(pairs, steps):
-    """Step (model_ours, ours, model_torch, theirs) pairs with identical gradients."""
-    for step in steps:
-        for mo, ours, mt, theirs in pairs:
-            backward(mo, step)
-            copy_grads(mo, mt)
-            ours.step()
-            theirs.step()
+_train = train_pairs
 
 
 def _side_by_side(case: Case, mode: str, **ours_kwargs):

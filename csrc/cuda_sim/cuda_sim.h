@@ -197,6 +197,14 @@ struct Block {
     }
   }
 
+  // When every thread that has not ended waits at the block barrier, all go on; mutex held.
+  void release_block_if_complete() {
+    if (at_block == 0 || at_block + done != n) return;
+    at_block = 0;
+    for (int i = 0; i < n; ++i)
+      if (state[i] == kAtBlockBarrier) state[i] = kRunnable;
+  }
+
   void wait_for_start(int me) {
     std::unique_lock<std::mutex> lock(mutex);
     wake[me]->wait(lock, [&] { return token == me; });
@@ -209,11 +217,8 @@ struct Block {
     }
     std::unique_lock<std::mutex> lock(mutex);
     state[me] = kAtBlockBarrier;
-    if (++at_block + done == n) {  // the last one: everybody goes on
-      at_block = 0;
-      for (int i = 0; i < n; ++i)
-        if (state[i] == kAtBlockBarrier) state[i] = kRunnable;
-    }
+    ++at_block;
+    release_block_if_complete();
     pass_and_wait(me, lock);
   }
 
@@ -240,11 +245,7 @@ struct Block {
     std::unique_lock<std::mutex> lock(mutex);
     state[me] = kDone;
     ++done;
-    if (at_block > 0 && at_block + done == n) {  // the others wait at a block barrier
-      at_block = 0;
-      for (int i = 0; i < n; ++i)
-        if (state[i] == kAtBlockBarrier) state[i] = kRunnable;
-    }
+    release_block_if_complete();  // the others may wait at a block barrier
     token = next_runnable();
     if (token >= 0) wake[token]->notify_one();
   }
