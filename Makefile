@@ -23,6 +23,7 @@ PYTEST_ARGS ?=
 PYTEST_WORKERS ?= auto
 DEMO_ARGS ?=
 BENCH_ARGS ?=
+QUALITY_ARGS ?=
 
 ifeq ($(NO_VENV),)
   PY := $(VENV)/bin/python
@@ -51,13 +52,15 @@ BUILD_SWITCHES := RUDA_TORCH_CUDA=$(RUDA_TORCH_CUDA) CUDA_HOME=$(CUDA_HOME) \
 	TORCH_CUDA_ARCH_LIST=$(TORCH_CUDA_ARCH_LIST) RUDA_TORCH_CPU_ISA=$(RUDA_TORCH_CPU_ISA)
 
 .DEFAULT_GOAL := help
-.PHONY: help deps build test test-integrations test-cpu-torch sdist test-packaging test-cuda-sim demo bench regressions gpu-check check format versions clean distclean FORCE
+.PHONY: help deps build test bench-states test-integrations test-cpu-torch sdist test-packaging test-cuda-sim demo bench regressions gpu-check check format versions clean distclean FORCE
 
 help:
 	@echo "make test       set up .venv, build the extension, run the test suite"
 	@echo "make demo       set up and build, then train a small MLP with torch's and our AdamW"
 	@echo "make build      set up .venv and build the extension only"
 	@echo "make bench      set up and build, then run benchmarks/bench_adamw.py"
+	@echo "make bench-states  low-precision optimizer states: the step against torch and"
+	@echo "                torchao (bench_state_precision.py), then the training-quality run"
 	@echo "make test-integrations  install requirements-integrations.txt and DeepSpeed into .venv (HF"
 	@echo "                transformers, accelerate, Lightning, DeepSpeed) and run tests/integrations"
 	@echo "make test-cpu-torch  build against the CPU-only torch 2.13.0 in .venv-cpu (CPU kernels"
@@ -161,6 +164,18 @@ bench: $(BUILD_STAMP)
 		echo "make bench: benchmarks/bench_adamw.py is not in this checkout" >&2; exit 1; fi
 	$(PY) benchmarks/bench_adamw.py $(BENCH_ARGS)
 
+# Low-precision optimizer states (Note [Low-precision states] in csrc/adamw_math.h): the
+# bare step against torch's fused one and torchao's AdamW8bit, then the training-quality
+# run on the standard library's sources (docs/performance.md). torchao goes into .venv.
+BENCH_STAMP := $(STAMPS)/.stamp-bench
+$(BENCH_STAMP): requirements-bench.txt $(DEPS_STAMP)
+	$(PY) -m pip install --no-deps -r requirements-bench.txt
+	@touch $@
+
+bench-states: $(BUILD_STAMP) $(BENCH_STAMP)
+	$(PY) benchmarks/bench_state_precision.py $(BENCH_ARGS)
+	$(PY) benchmarks/quality_state_precision.py $(QUALITY_ARGS)
+
 regressions: $(BUILD_STAMP)
 	$(PY) tools/run_adamw_regressions.py --suite oracle --suite host
 
@@ -212,15 +227,29 @@ $(CPU_VENV)/.stamp-deps:
 	$(CPU_VENV)/bin/python -m pip install $(CPU_TORCH) numpy pytest ninja setuptools wheel
 	@touch $@
 
-# The sdist, built as maintainers do (`python -m build`, isolated: it needs no torch).
-sdist: $(DEPS_STAMP)
+# The sdist, built as maintainers do (`python -m build`, isolated: it needs no torch), once
+# for the files it holds.
+SDIST_STAMP := build/sdist/.stamp
+$(SDIST_STAMP): $(DEPS_STAMP) setup.py pyproject.toml MANIFEST.in README.md $(CSRC) \
+		$(wildcard ruda_torch/*.py)
 	rm -rf build/sdist
 	$(PY) -m build --sdist --outdir build/sdist .
+	@touch $@
 
-# Installs the sdist (not a copy of the tree: a file missing from it fails here).
-test-cpu-torch: $(CPU_VENV)/.stamp-deps sdist
-	$(CPU_VENV)/bin/python -m pip install --no-build-isolation --no-deps --force-reinstall -v \
+sdist: $(SDIST_STAMP)
+
+# A wheel built from the sdist (not from a copy of the tree: a file missing from the sdist
+# fails here) against the CPU torch: what test-cpu-torch installs and test-packaging tries
+# in fresh venvs.
+CPU_WHEEL_STAMP := build/wheel-cpu/.stamp
+$(CPU_WHEEL_STAMP): $(CPU_VENV)/.stamp-deps $(SDIST_STAMP)
+	rm -rf build/wheel-cpu
+	$(CPU_VENV)/bin/python -m pip wheel --no-build-isolation --no-deps -v -w build/wheel-cpu \
 		build/sdist/ruda_torch-*.tar.gz
+	@touch $@
+
+test-cpu-torch: $(CPU_WHEEL_STAMP)
+	$(CPU_VENV)/bin/python -m pip install --no-deps --force-reinstall build/wheel-cpu/ruda_torch-*.whl
 	cd build && ../$(CPU_VENV)/bin/python -c "import torch, ruda_torch; \
 		print('torch', torch.__version__, 'backends', ruda_torch.compiled_backends()); \
 		assert ruda_torch.compiled_backends() == ('cpu',)"
@@ -237,11 +266,12 @@ SIM_BUILD = $(PY) -c "import sys; sys.path.insert(0, 'tests/cuda_sim'); from bui
 ASAN_LIB = $(shell $(CXX) -print-file-name=libasan.so)
 TSAN_LIB = $(shell $(CXX) -print-file-name=libtsan.so)
 test-cuda-sim: $(BUILD_STAMP)
-	$(PY) -m pytest tests/test_cuda_sim.py -q -p no:cacheprovider
+	$(SIM_BUILD)
+	$(PY) -m pytest tests/test_cuda_sim.py -q -p no:cacheprovider -n $(PYTEST_WORKERS)
 	RUDA_CUDA_SIM_SANITIZE=address $(SIM_BUILD)
 	PYTHONPATH=tests/cuda_sim/no_triton RUDA_CUDA_SIM_SANITIZE=address \
 		LD_PRELOAD=$(ASAN_LIB) ASAN_OPTIONS=detect_leaks=0 \
-		$(PY) -m pytest tests/test_cuda_sim.py -q -p no:cacheprovider -k forward
+		$(PY) -m pytest tests/test_cuda_sim.py -q -p no:cacheprovider -n $(PYTEST_WORKERS) -k forward
 	RUDA_CUDA_SIM_SANITIZE=thread $(SIM_BUILD)
 	RUDA_CUDA_SIM_SANITIZE=thread LD_PRELOAD=$(TSAN_LIB) \
 		TSAN_OPTIONS="halt_on_error=1 exitcode=66 report_signal_unsafe=0" \
@@ -249,10 +279,10 @@ test-cuda-sim: $(BUILD_STAMP)
 		-k "concurrent and (analyze or merge)"
 	$(PY) tools/cuda_sim_mutations.py
 
-# tools/check_packaging.sh: the sdist's contents, the isolated-build refusal, a wheel from
-# the sdist in a fresh venv, and the import refusal under another torch (with .venv-cpu).
-test-packaging: $(BUILD_STAMP) sdist
-	bash tools/check_packaging.sh $(PY) $(CPU_VENV)
+# tools/check_packaging.sh: the sdist's contents, the isolated-build refusal, the wheel
+# built from the sdist in a fresh venv, and its import refused under another torch (.venv's).
+test-packaging: $(BUILD_STAMP) $(SDIST_STAMP) $(CPU_WHEEL_STAMP)
+	bash tools/check_packaging.sh $(PY) $(CPU_VENV) build/wheel-cpu
 
 # -------------------------------------------------------------------------------- cleanup
 

@@ -304,6 +304,43 @@ RUDA_HOST_DEVICE inline uint16_t round_param(float x, Rounding rounding, uint32_
   return round_nearest16<IS_HALF>(bits);
 }
 
+// Note [Low-precision states]
+// state_precision="bf16" (ruda_torch/optimizer.py) keeps exp_avg, exp_avg_sq and
+// max_exp_avg_sq in BF16: 2 bytes per moment instead of 4. A step widens each stored
+// moment exactly to FP32, runs adamw_element() unchanged (the parameter is updated from the
+// moments as computed in FP32, before they are rounded for storage), and stores each
+// moment rounded to BF16: stochastically by default, or to nearest even. Nearest rounding
+// stalls a BF16 second moment: with beta2 = 0.999 the step changes v by 0.1% relative,
+// below half a BF16 ulp (2^-9 = 0.2%), so v stays where it is while the gradients shrink
+// (tests/test_state_precision.py; docs/performance.md has the quality run). Stochastic
+// rounding is unbiased: v moves by 0.1% on average. Its bits are counter-based as the
+// parameters' (Note [Stochastic rounding bits]), from streams of their own (the seed mixed
+// with a constant): one 32-bit draw per element gives exp_avg its low 16 bits and
+// exp_avg_sq its high 16 bits (each rounding uses 16), max_exp_avg_sq draws from a second
+// stream, so the moments and the parameter of one element round independently, and CPU
+// and CUDA store the same bits.
+enum class Moment : uint64_t {
+  kAverages = 0x6578705F61766731ull,     // exp_avg (low half), exp_avg_sq (high half)
+  kMaxExpAvgSq = 0x6D61785F61767371ull,  // max_exp_avg_sq (low half)
+};
+
+RUDA_HOST_DEVICE inline uint32_t moment_key(uint64_t seed, int64_t t, Moment moment) {
+  return rounding_key(seed ^ static_cast<uint64_t>(moment), t);
+}
+
+// The stored BF16 bits of a moment's FP32 value x; `random` holds its 16 random bits in
+// the low half (stochastic rounding only).
+RUDA_HOST_DEVICE inline uint16_t round_moment(float x, Rounding rounding, uint32_t random) {
+  const uint32_t bits = float_bits(x);
+  if (rounding == Rounding::kStochastic) return round_bf16_stochastic(bits, random);
+  return round_to_bf16(bits);
+}
+
+// A BF16 value's bits widened exactly to FP32.
+RUDA_HOST_DEVICE inline float widen_bf16(uint16_t bits) {
+  return float_from_bits(static_cast<uint32_t>(bits) << 16);
+}
+
 // The FP32 value updated for a 16-bit parameter with master weights (Note [Master
 // weights] in ruda_torch/_fused.py): the master while the parameter (bits `param`,
 // `widened` exactly to FP32) still holds it rounded to nearest even, else the parameter's

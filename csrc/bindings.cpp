@@ -207,8 +207,12 @@ AdamWLaunch prepare_launch(
               ": exp_avg and steps are required");
   TORCH_CHECK(pdtype == at::kFloat || pdtype == at::kDouble || is_16bit(pdtype), "ruda_torch.", op,
               ": params[0] must be float32, float64, float16 or bfloat16 (got ", pdtype, ")");
-  // Note [Parameter dtypes]: FP64 state for FP64 parameters, FP32 for all others.
-  const at::ScalarType sdtype = pdtype == at::kDouble ? at::kDouble : at::kFloat;
+  // Note [Parameter dtypes]: FP64 state for FP64 parameters, FP32 for all others, or BF16
+  // moments for those (Note [Low-precision states]): exp_avg's dtype says which, and every
+  // moment buffer must have it.
+  const at::ScalarType sdtype = pdtype == at::kDouble                    ? at::kDouble
+                                : exp_avg.scalar_type() == at::kBFloat16 ? at::kBFloat16
+                                                                         : at::kFloat;
   check_flat(op, exp_avg, "exp_avg", device, sdtype);
   check_flat(op, exp_avg_sq, "exp_avg_sq", device, sdtype);
   TORCH_CHECK(exp_avg_sq.numel() == exp_avg.numel(), "ruda_torch.", op,
@@ -231,12 +235,20 @@ AdamWLaunch prepare_launch(
                 ": master must have as many elements as exp_avg (got ", master->numel(), " vs ",
                 exp_avg.numel(), ")");
   }
-  TORCH_CHECK(rounding == 0 || rounding == 1, "ruda_torch.", op,
-              ": rounding must be 0 (nearest even) or 1 (stochastic), got ", rounding);
-  TORCH_CHECK(rounding == 0 || (pdtype == at::kBFloat16 && !master.has_value()), "ruda_torch.", op,
-              ": stochastic rounding (rounding=1) is for bfloat16 parameters without master "
-              "weights; params are ",
+  // `rounding`: bit 0 stochastic rounding of the parameters, bit 1 of BF16 moments.
+  TORCH_CHECK(rounding >= 0 && rounding <= 3, "ruda_torch.", op,
+              ": rounding must be 0 to 3 (bit 0: stochastic rounding of bfloat16 parameters, "
+              "bit 1: of bfloat16 moments), got ",
+              rounding);
+  TORCH_CHECK((rounding & 1) == 0 || (pdtype == at::kBFloat16 && !master.has_value()),
+              "ruda_torch.", op,
+              ": stochastic rounding of the parameters (rounding bit 0) is for bfloat16 "
+              "parameters without master weights; params are ",
               dtype_name(pdtype), master.has_value() ? " with master weights" : "");
+  TORCH_CHECK((rounding & 2) == 0 || sdtype == at::kBFloat16, "ruda_torch.", op,
+              ": stochastic rounding of the moments (rounding bit 1) is for bfloat16 moments; "
+              "exp_avg is ",
+              dtype_name(sdtype));
   const float* lr_f32 = nullptr;
   const double* lr_f64 = nullptr;
   if (lr_tensor.has_value()) {
@@ -276,7 +288,9 @@ AdamWLaunch prepare_launch(
   L.max_exp_avg_sq = max_exp_avg_sq.has_value() ? max_exp_avg_sq->data_ptr() : nullptr;
   L.master = master.has_value() ? master->data_ptr<float>() : nullptr;
   L.steps = steps.data_ptr<float>();
-  L.rounding = rounding == 1 ? Rounding::kStochastic : Rounding::kNearestEven;
+  L.state_dtype = dtype_of(sdtype);
+  L.rounding = (rounding & 1) != 0 ? Rounding::kStochastic : Rounding::kNearestEven;
+  L.state_rounding = (rounding & 2) != 0 ? Rounding::kStochastic : Rounding::kNearestEven;
   L.seed = static_cast<uint64_t>(seed);
   L.hyper = {lr, beta1, beta2, eps, weight_decay, lr_f32, lr_f64, !decoupled};
   L.control = {ptr_or_null(grad_scale), ptr_or_null(found_inf), ptr_or_null(stats),

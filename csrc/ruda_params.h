@@ -70,14 +70,18 @@ struct AdamWLaunch {
   DType param_dtype;
   DType grad_dtype;
   bool amsgrad;
-  // Flat state, FP64 for FP64 parameters and FP32 for all others.
+  // Flat state: FP64 for FP64 parameters, FP32 (or BF16, state_dtype) for all others.
   void* exp_avg;
   void* exp_avg_sq;
   void* max_exp_avg_sq;  // null without AMSGrad
-  float* master;         // FP32 master weights of 16-bit parameters, or null
+  // kFloat (kDouble for FP64 parameters), or kBFloat16 for every moment buffer (Note
+  // [Low-precision states] in adamw_math.h).
+  DType state_dtype;
+  float* master;  // FP32 master weights of 16-bit parameters, or null
   float* steps;
-  Rounding rounding;  // 16-bit parameters without master weights
-  uint64_t seed;      // of stochastic rounding
+  Rounding rounding;        // 16-bit parameters without master weights
+  Rounding state_rounding;  // BF16 moments
+  uint64_t seed;            // of stochastic rounding
   AdamWHyper hyper;
   StepControl control;
 };

@@ -113,8 +113,19 @@ from ._validate import MASTER_KEY, REQUIRED_KEYS, STATE_KEYS, check_state_entry
 from .distributed import LOCAL, scope_of
 from .stats_plan import MAX_ROWS, StatsPlan, row_pieces
 
-_ALIGN = 16  # elements: 64-byte aligned slices (FP32; 128 bytes for FP64)
+_ALIGN = 16  # elements: 64-byte aligned slices (FP32; 128 bytes for FP64, 32 for BF16)
 _HALF_DTYPES = (torch.float16, torch.bfloat16)
+STATE_PRECISIONS = ("fp32", "bf16")
+
+
+def state_dtype_of(param_dtype: torch.dtype, precision: str) -> torch.dtype:
+    """The moments' dtype of a bucket (Note [Parameter dtypes], Note [Low-precision
+    states] in csrc/adamw_math.h)."""
+    if param_dtype == torch.float64:
+        return torch.float64
+    return torch.bfloat16 if precision == "bf16" else torch.float32
+
+
 FUSED_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 
 
@@ -128,6 +139,7 @@ class Bucket:
         scope=LOCAL,
         master: bool = False,
         flat: bool = False,
+        precision: str = "fp32",
     ):
         self.params = params
         self.shapes = [p.shape for p in params]
@@ -142,7 +154,8 @@ class Bucket:
             offsets.append(total)
             total += -(-t.numel() // _ALIGN) * _ALIGN
         self.offsets = offsets
-        state_dtype = torch.float64 if self.dtype == torch.float64 else torch.float32
+        self.precision = precision  # Note [Low-precision states] in csrc/adamw_math.h
+        state_dtype = state_dtype_of(self.dtype, precision)
         opts = dict(dtype=state_dtype, device=self.device)
         self.exp_avg = torch.zeros(total, **opts)
         self.exp_avg_sq = torch.zeros(total, **opts)
@@ -201,7 +214,9 @@ class Bucket:
     def _buffer(self, key: str) -> torch.Tensor | None:
         return self.master if key == MASTER_KEY else getattr(self, key)
 
-    def can_serve(self, params: list, scope, amsgrad: bool, master: bool, flat: bool) -> bool:
+    def can_serve(
+        self, params: list, scope, amsgrad: bool, master: bool, flat: bool, precision: str
+    ) -> bool:
         """Whether this bucket can stay the bucket of ``params`` (Note [Fused state
         coherence], step 1)."""
         return (
@@ -215,6 +230,7 @@ class Bucket:
             and (self.max_exp_avg_sq is not None or not amsgrad)
             and (self.master is not None) == (master and self.dtype in _HALF_DTYPES)
             and self.flat == flat
+            and self.precision == precision
         )
 
     def _slice(self, buf: torch.Tensor, i: int) -> torch.Tensor:
@@ -468,6 +484,8 @@ def check_fused_param(p, gi: int, j: int, group=None, built: bool = True) -> Non
             f"stochastic_rounding=True is implemented for bfloat16 parameters; {where} is "
             "float16. Use master_weights=True for float16 parameters"
         )
+    if group is not None and p.dtype == torch.float64:
+        check_precision(group, where, p.dtype)
     if group is not None and group.get("flat_grads"):
         check_flat_param(p, where)
     t = local(p)
@@ -479,6 +497,17 @@ def check_fused_param(p, gi: int, j: int, group=None, built: bool = True) -> Non
             "model (e.g. model.to_empty(device=...) and initialize it) before optimizer.step()"
         )
     check_device(t.device, "ruda_torch.AdamW(fused_step=True)")
+
+
+def check_precision(group: dict, where: str, dtype: torch.dtype) -> None:
+    """Low-precision moments are for FP32, FP16 and BF16 parameters (FP64 ones keep FP64
+    moments, Note [Parameter dtypes])."""
+    precision = group.get("state_precision", "fp32")
+    if precision != "fp32":
+        raise ValueError(
+            f"state_precision={precision!r} is for float32, float16 and bfloat16 parameters; "
+            f"{where} is {dtype} (FP64 moments): use state_precision='fp32' for its group"
+        )
 
 
 def check_flat_param(p: torch.Tensor, where: str) -> None:
@@ -525,6 +554,21 @@ def check_group_options(group: dict, gi) -> None:
             f"master_weights, stochastic_rounding and flat_grads require fused_step=True{where} "
             "(they are options of the native fused path)"
         )
+    precision = group.get("state_precision", "fp32")
+    if precision not in STATE_PRECISIONS:
+        raise ValueError(
+            f"state_precision must be one of {STATE_PRECISIONS}{where}, got {precision!r}"
+        )
+    if precision != "fp32" and not group.get("fused_step"):
+        raise ValueError(
+            f"state_precision={precision!r} requires fused_step=True{where} (low-precision "
+            "moments are stored and rounded by the native fused kernel)"
+        )
+    if group.get("state_rounding", "stochastic") not in ops.STATE_ROUNDINGS:
+        raise ValueError(
+            f"state_rounding must be one of {ops.STATE_ROUNDINGS}{where}, got "
+            f"{group.get('state_rounding')!r}"
+        )
     seed = group.get("rounding_seed", 0)
     if isinstance(seed, bool) or not isinstance(seed, int):
         raise ValueError(f"rounding_seed must be an int{where}, got {type(seed).__name__} {seed!r}")
@@ -543,6 +587,8 @@ def check_bucket_options(group: dict, gi: int, buckets: list) -> None:
             f"stochastic_rounding=True is implemented for bfloat16 parameters; param group "
             f"{gi} has float16 parameters. Use master_weights=True for float16 parameters"
         )
+    if any(b.dtype == torch.float64 for b in buckets):
+        check_precision(group, f"param group {gi}", torch.float64)
 
 
 def check_no_duplicates(params: list, gi: int) -> None:
@@ -614,6 +660,7 @@ def _flags(group: dict) -> tuple:
         bool(group.get("amsgrad")),
         bool(group.get("master_weights")),
         bool(group.get("flat_grads")),
+        group.get("state_precision", "fp32"),
     )
 
 
@@ -672,13 +719,14 @@ def derive(opt, previous: FusedPlan | None, needs_global: bool) -> FusedPlan:
         amsgrad = bool(group["amsgrad"])
         master = bool(group.get("master_weights"))
         flat = bool(group.get("flat_grads"))
+        precision = group.get("state_precision", "fp32")
         buckets = []
         for scope, ps, js in split_group(opt, gi, group, needs_global):
             b = kept.pop(tuple(map(id, ps)), None)
-            if b is not None and b.can_serve(ps, scope, amsgrad, master, flat):
+            if b is not None and b.can_serve(ps, scope, amsgrad, master, flat, precision):
                 reused.append(b)
             else:
-                b = Bucket(ps, amsgrad, scope, master, flat)
+                b = Bucket(ps, amsgrad, scope, master, flat, precision)
             buckets.append(b)
             for i, (p, j) in enumerate(zip(ps, js, strict=True)):
                 where = f"optimizer.state of param group {gi} parameter {j}"

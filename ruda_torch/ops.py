@@ -37,6 +37,7 @@ def adamw_scaled_(
     stochastic_rounding: bool = False,
     seed: int = 0,
     decoupled: bool = True,
+    state_rounding: str = "stochastic",
 ) -> None:
     """In-place AdamW/AMSGrad over one bucket (docs/semantics.md); with
     ``decoupled=False`` Adam's L2 decay instead (``weight_decay * param`` added to the
@@ -47,7 +48,10 @@ def adamw_scaled_(
     elements ``[off, off + numel)`` of the flat state buffers, in its memory order, and the
     step counter ``steps[sid]``, where ``(off, sid) = slots[i]`` (a CPU int64 tensor of
     shape ``[len(params), 2]``). The state buffers are FP64 for FP64 parameters and FP32
-    otherwise. ``grads`` share one dtype (FP32, FP16 or BF16 for FP32 parameters; the
+    otherwise, or BF16 moments for non-FP64 parameters (all three buffers BF16: Note
+    [Low-precision states] in csrc/adamw_math.h), stored rounded as ``state_rounding``
+    says: ``"stochastic"`` (random bits from ``seed``, the step counter, the element's
+    state offset and the moment) or ``"nearest"`` (even). ``grads`` share one dtype (FP32, FP16 or BF16 for FP32 parameters; the
     parameters' dtype or FP32 for 16-bit ones; FP64 for FP64 ones), lay out their elements
     as their parameters do, and are never written.
 
@@ -70,6 +74,7 @@ def adamw_scaled_(
         grad_scale=grad_scale, found_inf=found_inf, stats=stats, max_grad_norm=max_grad_norm,
         clip_coef=clip_coef, master=master, lr_tensor=lr_tensor,
         stochastic_rounding=stochastic_rounding, seed=seed, decoupled=decoupled,
+        state_rounding=state_rounding,
     )  # fmt: skip
 
 
@@ -105,14 +110,16 @@ def _call(
     stochastic_rounding=False,
     seed=0,
     decoupled=True,
+    state_rounding="stochastic",
 ) -> None:
     lr, lr_tensor = _lr_args(lr, lr_tensor)
+    rounding = rounding_code(stochastic_rounding, state_rounding, exp_avg.dtype)
     op(
         params, grads, exp_avg, exp_avg_sq, max_exp_avg_sq, steps, slots,
         grad_scale, found_inf, stats, clip_coef,
         lr, beta1, beta2, eps, weight_decay, max_grad_norm, maximize,
-        master=master, lr_tensor=lr_tensor, rounding=1 if stochastic_rounding else 0,
-        seed=_seed64(seed), decoupled=bool(decoupled),
+        master=master, lr_tensor=lr_tensor, rounding=rounding, seed=_seed64(seed),
+        decoupled=bool(decoupled),
     )  # fmt: skip
 
 
@@ -136,6 +143,8 @@ def flat_step(
     stochastic_rounding: bool,
     seed: int,
     decoupled: bool = True,
+    state_rounding: str = "stochastic",
+    state_dtype: torch.dtype = torch.float32,
 ) -> None:
     """:func:`adamw_scaled_` over a flat-gradient bucket's handle (Note [Flat gradient
     buckets] in csrc/bindings.h): the tensors are the handle's, validated when it was
@@ -145,7 +154,8 @@ def flat_step(
     _C.flat_step(
         handle, active, validate_only, bool(amsgrad), float(lr), lr_tensor, float(beta1), float(beta2),
         float(eps), float(weight_decay), bool(maximize), grad_scale, found_inf, stats,
-        float(max_grad_norm), clip_coef, 1 if stochastic_rounding else 0, _seed64(seed),
+        float(max_grad_norm), clip_coef,
+        rounding_code(stochastic_rounding, state_rounding, state_dtype), _seed64(seed),
         bool(decoupled),
     )  # fmt: skip
 
@@ -163,6 +173,20 @@ def _lr_args(lr, lr_tensor):
     ):
         lr_tensor = lr_tensor.to(torch.float64)
     return lr, lr_tensor
+
+
+STATE_ROUNDINGS = ("stochastic", "nearest")
+
+
+def rounding_code(stochastic_rounding: bool, state_rounding: str, state_dtype) -> int:
+    """The schema's ``rounding``: bit 0 stochastic rounding of BF16 parameters, bit 1 of
+    BF16 moments (``state_rounding`` matters only for those)."""
+    if state_rounding not in STATE_ROUNDINGS:
+        raise ValueError(f"state_rounding must be one of {STATE_ROUNDINGS}, got {state_rounding!r}")
+    code = 1 if stochastic_rounding else 0
+    if state_dtype == torch.bfloat16 and state_rounding == "stochastic":
+        code |= 2
+    return code
 
 
 def _seed64(seed: int) -> int:

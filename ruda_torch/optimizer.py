@@ -58,7 +58,12 @@ _TORCH_GROUP_KEYS = dict(
 )
 # The fused path's param-group options besides fused_step, with their defaults.
 _FUSED_KEYS = dict(
-    master_weights=False, stochastic_rounding=False, rounding_seed=0, flat_grads=False
+    master_weights=False,
+    stochastic_rounding=False,
+    rounding_seed=0,
+    flat_grads=False,
+    state_precision="fp32",
+    state_rounding="stochastic",
 )
 # Optimizer-wide options that change the math, and the last report: pickled with the
 # optimizer (torch's Optimizer pickles only defaults, state and param_groups).
@@ -135,6 +140,15 @@ class AdamW(Optimizer):
             without master weights, round the FP32 result to BF16 stochastically
             (unbiased), reproducibly from ``rounding_seed`` (int, default 0), the step
             counter and the element's position. Param-group options.
+        state_precision (str, default ``"fp32"``): how a fused group stores its moments
+            (``exp_avg``, ``exp_avg_sq``, ``max_exp_avg_sq``): ``"fp32"`` (FP64 for FP64
+            parameters), or ``"bf16"``, half the state memory and traffic (Note
+            [Low-precision states] in csrc/adamw_math.h; not for FP64 parameters). The
+            update uses the moments computed in FP32; only their storage is rounded, as
+            ``state_rounding`` (default ``"stochastic"``, reproducible from
+            ``rounding_seed``; or ``"nearest"``) says. ``state_dict()`` holds the BF16
+            moments (torch.optim.AdamW widens them when it loads them); an FP32
+            checkpoint loads rounded to nearest. Param-group options.
         hierarchical_stats (bool, default False): before any update, compute one
             12-byte gradient report over all active groups with the native statistics
             kernels; a non-finite gradient skips the step and ``max_grad_norm`` clips
@@ -195,6 +209,8 @@ class AdamW(Optimizer):
         stochastic_rounding: bool = False,
         rounding_seed: int = 0,
         flat_grads: bool = False,
+        state_precision: str = "fp32",
+        state_rounding: str = "stochastic",
         hierarchical_stats: bool = False,
         max_grad_norm: float | None = None,
         process_group=None,
@@ -239,6 +255,8 @@ class AdamW(Optimizer):
             stochastic_rounding=stochastic_rounding,
             rounding_seed=rounding_seed,
             flat_grads=flat_grads,
+            state_precision=state_precision,
+            state_rounding=state_rounding,
         )
         _fused.check_group_options(defaults, None)
         self._flat_warned = False
@@ -845,7 +863,7 @@ class AdamW(Optimizer):
         if c.flat:
             op = functools.partial(
                 ops.flat_step, b.handle(), None if all_active else c.active,
-                validate_only=not writes, amsgrad=g["amsgrad"],
+                validate_only=not writes, amsgrad=g["amsgrad"], state_dtype=b.exp_avg.dtype,
             )  # fmt: skip
         else:
             op = functools.partial(
@@ -876,6 +894,7 @@ class AdamW(Optimizer):
                 clip_coef=per_device.get(clip_coef, dev),
                 stochastic_rounding=bool(g["stochastic_rounding"]) and b.dtype == torch.bfloat16,
                 seed=g["rounding_seed"],
+                state_rounding=g["state_rounding"],
                 decoupled=bool(g.get("decoupled_weight_decay", True)),
             )
         except RuntimeError as e:

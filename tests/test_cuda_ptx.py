@@ -75,40 +75,58 @@ def _kernels(ptx: str) -> dict[str, str]:
     return bodies
 
 
-# Template arguments of adamw_kernel<P, G, AMSGRAD> in the mangled name: the parameter
-# and gradient dtypes (Note [Parameter dtypes] in csrc/adamw_math.h).
+# Template arguments of adamw_kernel<P, G, S, AMSGRAD> in the mangled name: the parameter,
+# gradient and moment dtypes (Note [Parameter dtypes], Note [Low-precision states] in
+# csrc/adamw_math.h). A repeated class type is a substitution: S2_ names the first one
+# (after the two namespaces), S3_ the second.
 _TYPES = {"f": "fp32", "d": "fp64", "6__half": "fp16", "13__nv_bfloat16": "bf16"}
-_KERNEL = re.compile(
-    r"adamw_kernelI(f|d|6__half|13__nv_bfloat16)(f|d|6__half|13__nv_bfloat16|S2_)Lb([01])E"
-)
+_ARG = r"(f|d|6__half|13__nv_bfloat16|S\d_)"
+_KERNEL = re.compile(rf"adamw_kernelI{_ARG}{_ARG}{_ARG}Lb([01])E")
 PAIRS = {("fp32", "fp32"), ("fp32", "fp16"), ("fp32", "bf16"), ("fp16", "fp16"), ("fp16", "fp32"),
          ("bf16", "bf16"), ("bf16", "fp32"), ("fp64", "fp64")}  # fmt: skip
 
 
+def _template_types(m: re.Match) -> list[str]:
+    classes, out = [], []
+    for arg in m.groups()[:3]:
+        if arg.startswith("S"):
+            out.append(classes[int(arg[1]) - 2])
+        else:
+            out.append(_TYPES[arg])
+            if arg[0].isdigit():
+                classes.append(_TYPES[arg])
+    return out
+
+
 def test_aligned_path_uses_wide_loads_and_stores(ptx):
     """FP32 state and FP32 parameters, masters and gradients move 16 bytes per access,
-    16-bit parameters 8 bytes (4 elements); FP64 buckets use scalar accesses."""
+    16-bit parameters and BF16 moments 8 bytes (4 elements); FP64 buckets use scalar
+    accesses."""
     kernels = _kernels(ptx)
     found = {}
     for name, body in kernels.items():
         m = _KERNEL.search(name)
         assert m, f"unexpected kernel {name}"
-        param = _TYPES[m.group(1)]
-        grad = param if m.group(2) == "S2_" else _TYPES[m.group(2)]
-        amsgrad = m.group(3) == "1"
-        found[(param, grad, amsgrad)] = name
+        param, grad, state = _template_types(m)
+        amsgrad = m.group(4) == "1"
+        found[(param, grad, state, amsgrad)] = name
         if param == "fp64":
             continue
         stores = re.findall(r"st\.global(?:\.\w+)*\.v4\.f32", body)
         loads = re.findall(r"ld\.global(?:\.\w+)*\.v4\.f32", body)
         moments = 3 if amsgrad else 2  # exp_avg, exp_avg_sq (+ max_exp_avg_sq)
+        wide = moments if state == "fp32" else 0
         # + the parameter (FP32) or the master (16-bit parameters with master weights)
-        need = moments + 1
+        need = wide + 1
         assert len(stores) >= need, f"{name}: {len(stores)} 16-byte stores, want {need}"
         need += grad == "fp32"
         assert len(loads) >= need, f"{name}: {len(loads)} 16-byte FP32 loads, want {need}"
-        if param in ("fp16", "bf16"):  # four 16-bit elements as one uint2 (load_bits16)
-            assert re.search(r"ld\.global(?:\.\w+)*\.v2\.u32", body), f"{name}: 8-byte loads"
-            assert re.search(r"st\.global(?:\.\w+)*\.v2\.u32", body), f"{name}: 8-byte stores"
-    want = {(p, g, a) for p, g in PAIRS for a in (False, True)}
+        narrow = (moments if state == "bf16" else 0) + (param in ("fp16", "bf16"))
+        if narrow:  # four 16-bit elements as one uint2 (load_bits16, store_bits16)
+            for op in ("ld", "st"):
+                found_ = re.findall(rf"{op}\.global(?:\.\w+)*\.v2\.u32", body)
+                assert len(found_) >= narrow, f"{name}: {len(found_)} 8-byte {op}, want {narrow}"
+    states = {"fp64": ("fp64",)}
+    want = {(p, g, st, a) for p, g in PAIRS for st in states.get(p, ("fp32", "bf16"))
+            for a in (False, True)}  # fmt: skip
     assert set(found) == want, f"kernel variants: {sorted(found)}"

@@ -71,12 +71,14 @@ def _same(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
 # ------------------------------------------------------------------ the update
 
 
-def _bucket(pdtype, gdtype, amsgrad, master, sizes, unaligned, seed):
+def _bucket(pdtype, gdtype, amsgrad, master, sizes, unaligned, seed, sdtype=None):
     """Parameters (one of them a view at an odd offset, not 16-byte aligned, when
     ``unaligned``), gradients with a non-finite-free spread of magnitudes, flat state with
-    16-element aligned slices, step counters with different values."""
+    16-element aligned slices (BF16 moments with ``sdtype``), step counters with different
+    values."""
     gen = torch.Generator().manual_seed(seed)
-    sdtype = torch.float64 if pdtype == torch.float64 else torch.float32
+    if sdtype is None:
+        sdtype = torch.float64 if pdtype == torch.float64 else torch.float32
     params, grads, slots, offset = [], [], [], 0
     for i, n in enumerate(sizes):
         base = torch.randn(n + 1, generator=gen, dtype=torch.float64)
@@ -129,7 +131,8 @@ def _run_both(sim, state, *, stats=None, found_inf=None, grad_scale=None, clip_c
     ops.adamw_scaled_(cpu["params"], cpu["grads"], cpu["exp_avg"], cpu["exp_avg_sq"],
                       cpu["max_exp_avg_sq"], cpu["steps"], cpu["slots"], **common,
                       master=cpu["master"], lr_tensor=lr_tensor,
-                      stochastic_rounding=rounding == 1, seed=seed, decoupled=decoupled)  # fmt: skip
+                      stochastic_rounding=bool(rounding & 1), seed=seed, decoupled=decoupled,
+                      state_rounding="stochastic" if rounding & 2 else "nearest")  # fmt: skip
     sim.adamw(emu["params"], emu["grads"], emu["exp_avg"], emu["exp_avg_sq"],
               emu["max_exp_avg_sq"], emu["steps"], emu["slots"], grad_scale, found_inf, stats,
               clip_coef, 0.0 if lr_tensor is not None else lr, 0.9, 0.99, 1e-8, wd,
@@ -146,8 +149,11 @@ def _compare(cpu, emu, what):
             _same(emu[key], cpu[key], f"{what}: {key}")
 
 
+BF16 = torch.bfloat16
 VARIANTS = [
-    # (parameter dtype, gradient dtype, amsgrad, master, stochastic rounding, decoupled)
+    # (parameter dtype, gradient dtype, amsgrad, master, rounding, decoupled[, moments]):
+    # rounding bit 0 stochastic rounding of the parameters, bit 1 of BF16 moments (Note
+    # [Low-precision states] in csrc/adamw_math.h)
     (torch.float32, torch.float32, False, False, 0, True),
     (torch.float32, torch.float32, True, False, 0, False),
     (torch.float32, torch.float16, False, False, 0, True),
@@ -161,21 +167,28 @@ VARIANTS = [
     (torch.bfloat16, torch.bfloat16, True, False, 1, True),
     (torch.bfloat16, torch.float32, False, True, 0, False),
     (torch.bfloat16, torch.bfloat16, False, False, 1, False),
+    (torch.float32, torch.float32, True, False, 2, True, BF16),
+    (torch.float32, torch.bfloat16, False, False, 0, True, BF16),
+    (torch.bfloat16, torch.bfloat16, True, False, 3, False, BF16),
+    (torch.float16, torch.float16, False, True, 2, True, BF16),
 ]
 
 
 def _vid(v) -> str:
-    p, g, ams, master, sr, dec = v
+    p, g, ams, master, sr, dec = v[:6]
     name = f"{str(p)[6:]}-{str(g)[6:]}"
     return name + "".join(s for s, on in ((("-amsgrad"), ams), ("-master", master),
-                                          ("-stochastic", sr), ("-l2", not dec)) if on)  # fmt: skip
+                                          ("-stochastic", sr & 1), ("-l2", not dec),
+                                          ("-bf16-moments", len(v) > 6),
+                                          ("-stochastic-moments", sr & 2)) if on)  # fmt: skip
 
 
 @pytest.mark.parametrize("unaligned", [False, True], ids=["aligned", "unaligned"])
 @pytest.mark.parametrize("variant", VARIANTS, ids=[_vid(v) for v in VARIANTS])
 def test_update_matches_cpu(sim, schedule, variant, unaligned):
-    pdtype, gdtype, amsgrad, master, rounding, decoupled = variant
-    state = _bucket(pdtype, gdtype, amsgrad, master, SIZES, unaligned, seed=7)
+    pdtype, gdtype, amsgrad, master, rounding, decoupled = variant[:6]
+    sdtype = variant[6] if len(variant) > 6 else None
+    state = _bucket(pdtype, gdtype, amsgrad, master, SIZES, unaligned, seed=7, sdtype=sdtype)
     cpu, emu = _run_both(sim, state, rounding=rounding, seed=2**63 + 5, decoupled=decoupled,
                          maximize=amsgrad, grad_scale=torch.tensor([2.0]),
                          clip_coef=torch.tensor([0.75]))  # fmt: skip

@@ -337,12 +337,15 @@ def all_gather(t: torch.Tensor) -> list[torch.Tensor]:
     return out
 
 
+_BITS = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}
+
+
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Equal bit patterns (NaNs included, -0.0 != 0.0) of two FP32 tensors."""
+    """Equal bit patterns (NaNs included, -0.0 != 0.0) of two FP32 (or 16-bit) tensors."""
     if a.dtype != b.dtype or a.shape != b.shape:
         return False
-    assert a.dtype == torch.float32, a.dtype
-    return torch.equal(a.reshape(-1).view(torch.int32), b.reshape(-1).view(torch.int32))
+    bits = _BITS[a.dtype]
+    return torch.equal(a.reshape(-1).view(bits), b.reshape(-1).view(bits))
 
 
 def local_params(model) -> list[torch.Tensor]:

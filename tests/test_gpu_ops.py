@@ -585,6 +585,11 @@ PARAM_VARIANTS = [
     ("fp16", torch.float16, torch.float16, False, False),
     ("fp16-master", torch.float16, torch.float32, True, False),
     ("fp64", torch.float64, torch.float64, False, False),
+    # BF16 moments (Note [Low-precision states]), stored rounded as the last field says.
+    ("fp32-bf16moments", torch.float32, torch.float32, False, False, "stochastic"),
+    ("fp32-bf16moments-nearest", torch.float32, torch.bfloat16, False, False, "nearest"),
+    ("bf16-sr-bf16moments", torch.bfloat16, torch.bfloat16, False, True, "stochastic"),
+    ("fp16-master-bf16moments", torch.float16, torch.float32, True, False, "stochastic"),
 ]
 
 
@@ -594,11 +599,14 @@ PARAM_VARIANTS = [
 @pytest.mark.parametrize("variant", PARAM_VARIANTS, ids=[v[0] for v in PARAM_VARIANTS])
 def test_param_dtype_variants_cuda_match_cpu_bitwise(variant, numel, amsgrad, offset):
     """16-bit parameters (rounded, with masters some of which the parameter no longer
-    matches, stochastically rounded), FP64 parameters and a Tensor lr on the device:
-    every kernel variant gives the CPU's bits."""
-    _, pdtype, gdtype, master, sr = variant
+    matches, stochastically rounded), FP64 parameters, BF16 moments and a Tensor lr on the
+    device: every kernel variant gives the CPU's bits."""
+    _, pdtype, gdtype, master, sr = variant[:5]
+    state_rounding = variant[5] if len(variant) > 5 else "stochastic"
     gen = torch.Generator().manual_seed(seed_of("param-variant", variant[0], numel, amsgrad))
     sdtype = torch.float64 if pdtype == torch.float64 else torch.float32
+    if len(variant) > 5:
+        sdtype = torch.bfloat16
     n = numel + offset
     tensors = {
         "param": torch.randn(n, generator=gen).to(pdtype)[offset:],
@@ -622,6 +630,7 @@ def test_param_dtype_variants_cuda_match_cpu_bitwise(variant, numel, amsgrad, of
                 t["steps"], torch.zeros((1, 2), dtype=torch.int64), lr=0.0, beta1=0.9,
                 beta2=0.99, eps=1e-8, weight_decay=0.1, master=t.get("master"),
                 lr_tensor=torch.tensor(3e-3, device=device), stochastic_rounding=sr, seed=42,
+                state_rounding=state_rounding,
             )  # fmt: skip
         results.append({k: None if v is None else v.cpu() for k, v in t.items()})
     for k in tensors:

@@ -1000,8 +1000,8 @@ BAD_INPUTS = [
     (
         "stochastic_rounding_float32",
         _kw(stochastic_rounding=True),
-        r"stochastic rounding \(rounding=1\) is for bfloat16 parameters without master "
-        r"weights; params are float32",
+        r"stochastic rounding of the parameters \(rounding bit 0\) is for bfloat16 parameters "
+        r"without master weights; params are float32",
     ),
     (
         "stochastic_rounding_with_master",

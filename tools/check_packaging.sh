@@ -7,17 +7,18 @@
 #   2. `pip install <sdist>` with build isolation (pip's default) stops at once with the
 #      message that says to use --no-build-isolation, instead of compiling against a
 #      throwaway torch (Note [Built against one torch] in ruda_torch/_build.py);
-#   3. a wheel built from the sdist against the environment's torch (`pip wheel
-#      --no-build-isolation`) installs into a fresh scratch venv that sees that torch, and
-#      imports, reports its backends and ISA, and steps like torch.optim.AdamW;
-#   4. the same wheel under another torch release (the CPU torch of `make test-cpu-torch`,
-#      when .venv-cpu exists) refuses to import, naming both versions.
-# (The sdist's own install, against a CPU-only torch, is `make test-cpu-torch`.)
-# Usage: tools/check_packaging.sh PYTHON [CPU_VENV]. Prints "N passed, N failed" last.
+#   3. the wheel built from the sdist against the CPU torch of `make test-cpu-torch` (`pip
+#      wheel --no-build-isolation`, in WHEEL_DIR: the Makefile builds it once for both
+#      targets) installs into a fresh scratch venv that sees that torch, and imports,
+#      reports its backends and ISA, and steps like torch.optim.AdamW;
+#   4. the same wheel under another torch release (PYTHON's) refuses to import, naming
+#      both versions.
+# Usage: tools/check_packaging.sh PYTHON CPU_VENV WHEEL_DIR. Prints "N passed, N failed" last.
 set -uo pipefail
 
-PY=${1:?usage: tools/check_packaging.sh PYTHON [CPU_VENV]}
-CPU_VENV=${2:-.venv-cpu}
+PY=${1:?usage: tools/check_packaging.sh PYTHON CPU_VENV WHEEL_DIR}
+CPU_VENV=${2:?usage: tools/check_packaging.sh PYTHON CPU_VENV WHEEL_DIR}
+WHEEL_DIR=${3:?usage: tools/check_packaging.sh PYTHON CPU_VENV WHEEL_DIR}
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 ROOT=$(pwd)
 SDIST=$(ls build/sdist/ruda_torch-*.tar.gz 2>/dev/null | head -n 1)
@@ -76,17 +77,10 @@ said=$?
 [ "$rc" -ne 0 ] && [ "$said" -eq 0 ] && [ "$took" -lt 300 ]
 result "an isolated build is refused with the --no-build-isolation message" $?
 
-# 3. A wheel from the sdist, against this environment's torch, in a fresh venv.
-start=$SECONDS
-# CPU kernels of the portable ISA only: the other ISA builds are the main build's.
-RUDA_TORCH_CUDA=${RUDA_TORCH_CUDA:-0} RUDA_TORCH_CPU_ISA=${RUDA_TORCH_CPU_ISA:-default} \
-  "$PY" -m pip wheel --no-build-isolation --no-deps -w "$WORK/wheels" "$SDIST" \
-  >"$WORK/wheel.log" 2>&1
-rc=$?
-echo "  pip wheel --no-build-isolation <sdist>: exit $rc after $((SECONDS - start)) s"
-[ "$rc" -eq 0 ] || tail -n 30 "$WORK/wheel.log"
-result "a wheel builds from the sdist" $rc
-WHEEL=$(ls "$WORK"/wheels/ruda_torch-*.whl 2>/dev/null | head -n 1)
+# 3. The wheel from the sdist, against the CPU torch, in a fresh venv.
+WHEEL=$(ls "$ROOT/$WHEEL_DIR"/ruda_torch-*.whl 2>/dev/null | head -n 1)
+[ -n "$WHEEL" ]
+result "a wheel was built from the sdist ($(basename "${WHEEL:-none}"))" $?
 
 SMOKE='
 import sys, torch, ruda_torch
@@ -110,7 +104,8 @@ print("  one fused step with statistics matches torch.optim.AdamW")
 '
 if [ -n "$WHEEL" ]; then
   venv="$WORK/wheel-venv"
-  scratch_venv "$venv" "$PY" && "$venv/bin/python" -m pip install -q --no-deps --ignore-installed "$WHEEL" &&
+  scratch_venv "$venv" "$CPU_VENV/bin/python" &&
+    "$venv/bin/python" -m pip install -q --no-deps --ignore-installed "$WHEEL" &&
     (cd "$WORK" && "$venv/bin/python" -c "$SMOKE" "$venv")
   result "the wheel installs into a fresh venv, imports and steps" $?
 else
@@ -118,16 +113,16 @@ else
 fi
 
 # 4. The same wheel under another torch release refuses to import.
-if [ -n "$WHEEL" ] && [ -x "$CPU_VENV/bin/python" ]; then
+if [ -n "$WHEEL" ]; then
   venv="$WORK/other-torch"
-  scratch_venv "$venv" "$CPU_VENV/bin/python" && "$venv/bin/python" -m pip install -q --no-deps --ignore-installed "$WHEEL"
+  scratch_venv "$venv" "$PY" && "$venv/bin/python" -m pip install -q --no-deps --ignore-installed "$WHEEL"
   (cd "$WORK" && "$venv/bin/python" -c "import ruda_torch") >"$WORK/other.log" 2>&1
   rc=$?
   grep -m 1 "^ImportError" "$WORK/other.log" | cut -c 1-200
   [ "$rc" -ne 0 ] && grep -q "was built against torch" "$WORK/other.log"
   result "under another torch release the import is refused, naming both" $?
 else
-  echo "  (no $CPU_VENV: the other-torch check runs after make test-cpu-torch)"
+  result "under another torch release the import is refused, naming both" 1
 fi
 
 echo "test-packaging: $passed passed, $failed failed"

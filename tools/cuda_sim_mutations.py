@@ -23,9 +23,10 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-# The folder tests/cuda_sim/build.py compiles the kernels from: a mutant there recompiles
-# only the kernels' object in each variant's build folder.
-MUTANT = ROOT / "build" / "cuda_sim" / "src"
+# Each mutant in a source folder of its own (build/cuda_sim/mutant-<i>), so that several
+# build and run at once (--jobs); their builds link the plain build's binding objects and
+# compile the kernels alone (tests/cuda_sim/build.py).
+MUTANTS = ROOT / "build" / "cuda_sim"
 
 
 def _syncthreads(n: int):
@@ -100,15 +101,16 @@ def build(env: dict) -> None:
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True)
 
 
-def run(name, file, mutate, select, sanitizer) -> bool:
-    """True when the mutant is caught (its tests fail)."""
+def run(index, name, file, mutate, select, sanitizer) -> tuple[bool, str]:
+    """(whether the mutant is caught (its tests fail), the line that says so)."""
     sys.path.insert(0, str(ROOT / "tests" / "cuda_sim"))
     from build import sync_sources
 
-    sync_sources(MUTANT)
-    target = MUTANT / "cuda" / file
+    folder = MUTANTS / f"mutant-{index}"
+    sync_sources(folder)
+    target = folder / "cuda" / file
     target.write_text(mutate(target.read_text()))
-    env = dict(os.environ, RUDA_CUDA_SIM_SOURCE=str(MUTANT))
+    env = dict(os.environ, RUDA_CUDA_SIM_SOURCE=str(folder))
     start = time.monotonic()
     if sanitizer:
         env.update(sanitizer_env(sanitizer))
@@ -129,33 +131,37 @@ def run(name, file, mutate, select, sanitizer) -> bool:
     ):
         caught = False  # a mutant that does not build proves nothing
         summary = "the mutant did not build"
-    print(f"{'caught ' if caught else 'SURVIVED'} {name} ({took:.0f} s): {summary}", flush=True)
-    return caught
+    return caught, f"{'caught ' if caught else 'SURVIVED'} {name} ({took:.0f} s): {summary}"
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sanitizers", action=argparse.BooleanOptionalAction, default=True,
                         help="also run the mutations only a sanitizer can catch")  # fmt: skip
+    parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1,
+                        help="mutants built and run at once (default: one per CPU)")  # fmt: skip
     args = parser.parse_args()
-    try:
-        caught, survived = _run_all(args)
-    finally:  # the sources as they are, for the next build
-        sys.path.insert(0, str(ROOT / "tests" / "cuda_sim"))
-        from build import sync_sources
-
-        sync_sources(MUTANT)
+    caught, survived = _run_all(args)
     print(f"cuda-sim mutations: {len(caught)} caught, {len(survived)} survived")
     return 1 if survived else 0
 
 
 def _run_all(args) -> tuple[list, list]:
-    caught, survived = [], []
-    for name, file, mutate, select, sanitizer in MUTATIONS:
+    from concurrent.futures import ThreadPoolExecutor
+
+    chosen = []
+    for i, (name, file, mutate, select, sanitizer) in enumerate(MUTATIONS):
         if sanitizer and not args.sanitizers:
             print(f"skipped  {name} (--no-sanitizers)")
-            continue
-        (caught if run(name, file, mutate, select, sanitizer) else survived).append(name)
+        else:
+            chosen.append((i, name, file, mutate, select, sanitizer))
+    caught, survived = [], []
+    # The threads only wait for subprocesses; each mutant has folders of its own.
+    with ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
+        results = pool.map(lambda job: run(*job), chosen)
+        for job, (was_caught, line) in zip(chosen, results, strict=True):
+            print(line, flush=True)
+            (caught if was_caught else survived).append(job[1])
     return caught, survived
 
 

@@ -57,17 +57,74 @@ __device__ inline float widen(uint16_t bits) {
   }
 }
 
-// The pointers of one tensor's slice.
-template <typename P, typename G>
+// The pointers of one tensor's slice. S: the moments' storage type, the math type or BF16
+// (Note [Low-precision states] in adamw_math.h).
+template <typename P, typename G, typename S>
 struct Slice {
   P* p;
   const G* g;
-  MathOf<P>*m, *v, *vm;
-  float* master;  // 16-bit parameters with master weights, else null
+  S *m, *v, *vm;
+  float* master;            // 16-bit parameters with master weights, else null
+  uint32_t key_mv, key_vm;  // moment_key()s of the BF16 moments' stochastic rounding
+  Rounding state_rounding;
 };
 
-template <typename P, typename G, bool AMSGRAD>
-__device__ inline void update_one(const Slice<P, G>& s, int64_t k, const StepCoefs<MathOf<P>>& c,
+template <typename S>
+constexpr bool kBf16State = std::is_same_v<S, __nv_bfloat16>;
+
+template <typename S>
+__device__ inline auto load_moment(const S* base, int64_t k) {
+  if constexpr (kBf16State<S>) {
+    return widen_bf16(reinterpret_cast<const uint16_t*>(base)[k]);
+  } else {
+    return base[k];
+  }
+}
+
+// The random bits of element `index`'s BF16 moments (Note [Low-precision states]):
+// exp_avg takes the low half of the first draw, exp_avg_sq its high half, max_exp_avg_sq
+// the low half of the second.
+struct MomentBits {
+  uint32_t mv, vm;
+};
+
+template <typename S, bool AMSGRAD, typename Sl>
+__device__ inline MomentBits moment_bits(const Sl& s, int64_t index) {
+  MomentBits b{0, 0};
+  if constexpr (kBf16State<S>) {
+    if (s.state_rounding == Rounding::kStochastic) {
+      b.mv = rounding_bits(s.key_mv, index);
+      if (AMSGRAD) b.vm = rounding_bits(s.key_vm, index);
+    }
+  }
+  return b;
+}
+
+template <typename S, typename M>
+__device__ inline void store_moment(S* base, int64_t k, M x, Rounding r, uint32_t random) {
+  if constexpr (kBf16State<S>) {
+    reinterpret_cast<uint16_t*>(base)[k] = round_moment(x, r, random);
+  } else {
+    base[k] = x;
+  }
+}
+
+// kVec moments with one wide store: FP32, or BF16 rounded lane by lane (random[j]: lane
+// j's random bits in the low half).
+template <typename S>
+__device__ inline void store_moments(S* p, const float* in, Rounding r, const uint32_t* random) {
+  if constexpr (kBf16State<S>) {
+    uint16_t out[kVec];
+#pragma unroll
+    for (int j = 0; j < kVec; ++j) out[j] = round_moment(in[j], r, random[j]);
+    store_bits16(reinterpret_cast<uint16_t*>(p), out);
+  } else {
+    store_vec<kVec>(p, in);
+  }
+}
+
+template <typename P, typename G, typename S, bool AMSGRAD>
+__device__ inline void update_one(const Slice<P, G, S>& s, int64_t k, const StepCoefs<MathOf<P>>& c,
                                   const AdamWLaunch& L, uint32_t key, int64_t index) {
   using M = MathOf<P>;
   M pk;
@@ -78,7 +135,7 @@ __device__ inline void update_one(const Slice<P, G>& s, int64_t k, const StepCoe
   } else {
     pk = s.p[k];
   }
-  M mk = s.m[k], vk = s.v[k], vmk = AMSGRAD ? s.vm[k] : M(0);
+  M mk = load_moment(s.m, k), vk = load_moment(s.v, k), vmk = AMSGRAD ? load_moment(s.vm, k) : M(0);
   adamw_element<AMSGRAD, ScalarOps>(pk, to_math(s.g[k]), mk, vk, vmk, c);
   if constexpr (kIs16Bit<P>) {
     if (s.master != nullptr) s.master[k] = pk;
@@ -86,15 +143,16 @@ __device__ inline void update_one(const Slice<P, G>& s, int64_t k, const StepCoe
   } else {
     s.p[k] = pk;
   }
-  s.m[k] = mk;
-  s.v[k] = vk;
-  if (AMSGRAD) s.vm[k] = vmk;
+  const MomentBits r = moment_bits<S, AMSGRAD>(s, index);
+  store_moment(s.m, k, mk, s.state_rounding, r.mv);
+  store_moment(s.v, k, vk, s.state_rounding, r.mv >> 16);
+  if (AMSGRAD) store_moment(s.vm, k, vmk, s.state_rounding, r.vm);
 }
 
 // kVec elements at k with wide accesses (FP32 and 16-bit parameters; the caller checked
 // alignment).
-template <typename P, typename G, bool AMSGRAD>
-__device__ inline void update_vec(const Slice<P, G>& s, int64_t k, const StepCoefs<float>& c,
+template <typename P, typename G, typename S, bool AMSGRAD>
+__device__ inline void update_vec(const Slice<P, G, S>& s, int64_t k, const StepCoefs<float>& c,
                                   const AdamWLaunch& L, uint32_t key, int64_t index) {
   float pv[kVec], gv[kVec], mv[kVec], vv[kVec], vmv[kVec];
   if constexpr (kIs16Bit<P>) {
@@ -130,12 +188,20 @@ __device__ inline void update_vec(const Slice<P, G>& s, int64_t k, const StepCoe
   } else {
     store_vec<kVec>(s.p + k, pv);
   }
-  store_vec<kVec>(s.m + k, mv);
-  store_vec<kVec>(s.v + k, vv);
-  if (AMSGRAD) store_vec<kVec>(s.vm + k, vmv);
+  uint32_t r_m[kVec], r_v[kVec], r_vm[kVec];
+#pragma unroll
+  for (int j = 0; j < kVec; ++j) {
+    const MomentBits r = moment_bits<S, AMSGRAD>(s, index + j);
+    r_m[j] = r.mv;
+    r_v[j] = r.mv >> 16;
+    r_vm[j] = r.vm;
+  }
+  store_moments(s.m + k, mv, s.state_rounding, r_m);
+  store_moments(s.v + k, vv, s.state_rounding, r_v);
+  if (AMSGRAD) store_moments(s.vm + k, vmv, s.state_rounding, r_vm);
 }
 
-template <typename P, typename G, bool AMSGRAD>
+template <typename P, typename G, typename S, bool AMSGRAD>
 __global__ void __launch_bounds__(kThreads) adamw_kernel(AdamWLaunch L) {
   using M = MathOf<P>;
   const StepDecision d = decide_step(L.control);
@@ -148,12 +214,15 @@ __global__ void __launch_bounds__(kThreads) adamw_kernel(AdamWLaunch L) {
     const uint32_t key = rounding_key(L.seed, t);  // Note [Stochastic rounding bits]
     const int64_t begin = (u - e.unit_start) * kCudaTile;
     const int64_t end = min(begin + kCudaTile, e.numel);
-    Slice<P, G> s;
+    Slice<P, G, S> s;
     s.p = static_cast<P*>(e.param);
     s.g = static_cast<const G*>(e.grad);
-    s.m = static_cast<M*>(L.exp_avg) + e.state_offset;
-    s.v = static_cast<M*>(L.exp_avg_sq) + e.state_offset;
-    s.vm = AMSGRAD ? static_cast<M*>(L.max_exp_avg_sq) + e.state_offset : nullptr;
+    s.m = static_cast<S*>(L.exp_avg) + e.state_offset;
+    s.v = static_cast<S*>(L.exp_avg_sq) + e.state_offset;
+    s.vm = AMSGRAD ? static_cast<S*>(L.max_exp_avg_sq) + e.state_offset : nullptr;
+    s.state_rounding = L.state_rounding;
+    s.key_mv = kBf16State<S> ? moment_key(L.seed, t, Moment::kAverages) : 0;
+    s.key_vm = kBf16State<S> ? moment_key(L.seed, t, Moment::kMaxExpAvgSq) : 0;
     s.master = kIs16Bit<P> && L.master != nullptr ? L.master + e.state_offset : nullptr;
     bool aligned = false;
     if constexpr (!std::is_same_v<P, double>) {  // FP64: scalar accesses (a rare dtype)
@@ -165,29 +234,39 @@ __global__ void __launch_bounds__(kThreads) adamw_kernel(AdamWLaunch L) {
       if constexpr (!std::is_same_v<P, double>) {
         for (int64_t k = begin + int64_t(threadIdx.x) * kVec; k < end; k += kThreads * kVec) {
           if (k + kVec <= end) {
-            update_vec<P, G, AMSGRAD>(s, k, c, L, key, e.state_offset + k);
+            update_vec<P, G, S, AMSGRAD>(s, k, c, L, key, e.state_offset + k);
           } else {
             for (int64_t kk = k; kk < end; ++kk) {
-              update_one<P, G, AMSGRAD>(s, kk, c, L, key, e.state_offset + kk);
+              update_one<P, G, S, AMSGRAD>(s, kk, c, L, key, e.state_offset + kk);
             }
           }
         }
       }
     } else {  // a view that is not aligned for wide accesses: scalar accesses, same math
       for (int64_t k = begin + threadIdx.x; k < end; k += kThreads) {
-        update_one<P, G, AMSGRAD>(s, k, c, L, key, e.state_offset + k);
+        update_one<P, G, S, AMSGRAD>(s, k, c, L, key, e.state_offset + k);
       }
     }
   }
 }
 
-template <typename P, typename G>
-void launch(const AdamWLaunch& L, cudaStream_t stream) {
-  if (L.n_units == 0) return;
-  const auto kernel = L.amsgrad ? adamw_kernel<P, G, true> : adamw_kernel<P, G, false>;
+template <typename P, typename G, typename S>
+void launch_state(const AdamWLaunch& L, cudaStream_t stream) {
+  const auto kernel = L.amsgrad ? adamw_kernel<P, G, S, true> : adamw_kernel<P, G, S, false>;
   const int64_t grid = std::min<int64_t>(L.n_units, max_resident_blocks(kernel, kThreads));
   launch_kernel(kernel, static_cast<unsigned>(grid), kThreads, stream, L);
   RUDA_CUDA_CHECK_LAUNCH();
+}
+
+// The moments' storage type: the math type, or BF16 (not for FP64 parameters: the binding
+// refuses it).
+template <typename P, typename G>
+void launch(const AdamWLaunch& L, cudaStream_t stream) {
+  if (L.n_units == 0) return;
+  if constexpr (!std::is_same_v<P, double>) {
+    if (L.state_dtype == DType::kBFloat16) return launch_state<P, G, __nv_bfloat16>(L, stream);
+  }
+  launch_state<P, G, MathOf<P>>(L, stream);
 }
 
 // The gradient dtypes each parameter dtype takes (checked by the binding).

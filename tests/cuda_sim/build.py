@@ -52,15 +52,25 @@ def load(verbose: bool = False):
     digest = hashlib.sha1(str(source).encode()).hexdigest()[:10]
     build_dir = ROOT / "build" / "cuda_sim" / f"{sanitize or 'plain'}-{digest}"
     build_dir.mkdir(parents=True, exist_ok=True)
-    sources = [str(HERE / "sim_module.cpp"), str(HERE / "kernels_sim.cpp")]
-    # The binding code prepares launches on the host and is not what the sanitizers are
-    # for: a sanitizer build links the plain build's object when there is one (it is the
-    # slowest file to compile), else compiles it.
-    plain = ROOT / "build" / "cuda_sim" / f"plain-{digest}" / "bindings.o"
-    if sanitize and plain.exists():
-        ldflags.append(str(plain))
-    else:
-        sources.append(str(ROOT / "csrc" / "bindings.cpp"))
+    sources = [str(HERE / "kernels_sim.cpp")]
+    # The binding code (csrc/bindings.cpp prepares launches on the host) and the module's
+    # glue (sim_module.cpp) are not what the sanitizers are for, and are the slowest files
+    # to compile (torch's headers): a sanitizer build links the plain build's objects when
+    # there are any, and instruments the kernels and the emulated device alone (a
+    # sanitizer reports what instrumented code does; uninstrumented objects only go
+    # unchecked, as the rest of torch does).
+    # They include nothing from `source`, so a mutant's build (another source folder)
+    # links them too.
+    shared = source != SOURCE or sanitize
+    plain = (
+        ROOT / "build" / "cuda_sim" / f"plain-{hashlib.sha1(str(SOURCE).encode()).hexdigest()[:10]}"
+    )
+    for name, src in (("sim_module.o", HERE / "sim_module.cpp"),
+                      ("bindings.o", ROOT / "csrc" / "bindings.cpp")):  # fmt: skip
+        if shared and (plain / name).exists():
+            ldflags.append(str(plain / name))
+        else:
+            sources.append(str(src))
     return _load(
         name="ruda_torch_cuda_sim",
         sources=sources,

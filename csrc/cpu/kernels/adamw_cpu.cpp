@@ -8,6 +8,7 @@
 
 #include <cstring>
 #include <type_traits>
+#include <utility>
 
 #include "adamw_math.h"
 #include "cpu/kernels/vec_load.h"
@@ -101,6 +102,71 @@ inline VI round_bf16_vec(const Vec& v) {
   return with_canonical_nan(r, nan_lanes(x));
 }
 
+// rounding_bits (adamw_math.h) of the elements index, index + 1, ... on a vector of lanes.
+// Integer lanes wrap on overflow (the build has -fwrapv for the portable vectors), which is
+// the uint32 arithmetic of the scalar function.
+inline VI rounding_bits_vec(uint32_t key, int64_t index) {
+  const uint64_t i = static_cast<uint64_t>(index);
+  if (static_cast<uint32_t>(i) > 0xFFFFFFFFu - (VI::size() - 1)) {
+    // The lanes' low 32 bits wrap (a slot offset near a multiple of 2^32): lane by lane.
+    alignas(64) int32_t lanes[VI::size()];
+    for (int64_t j = 0; j < VI::size(); ++j) {
+      lanes[j] = static_cast<int32_t>(rounding_bits(key, index + j));
+    }
+    return VI::loadu(lanes);
+  }
+  const VI lo = VI(static_cast<int32_t>(static_cast<uint32_t>(i))) + VI::arange(0, 1);
+  const auto hi = static_cast<int32_t>(static_cast<uint32_t>(i >> 32) * 0x85EBCA77u);
+  VI h = (lo * VI(static_cast<int32_t>(0x9E3779B1u))) ^ VI(hi);
+  h = h ^ VI(static_cast<int32_t>(key));
+  h = h ^ shr(h, 16);
+  h = h * VI(static_cast<int32_t>(0x85EBCA6Bu));
+  h = h ^ shr(h, 13);
+  h = h * VI(static_cast<int32_t>(0xC2B2AE35u));
+  return h ^ shr(h, 16);
+}
+
+// Note [Rounding canonical moments]
+// The moments that adamw_element() returns are canonical (Note [Canonical NaN]): a NaN is
+// exactly 0x7FFFFFFF. Clamping the bits, as signed lanes, to at most 0x7FFF0000 changes
+// that NaN alone (every other positive value is at most 0x7F800000, negative ones are
+// negative lanes), and turns both roundings below into their scalar functions'
+// (round_to_bf16, round_bf16_stochastic) without a NaN test: 0x7FFF0000 rounds to 0x7FFF
+// either way. Infinities need no test either: their low 16 bits are zero, so no rounding
+// increment carries. Each lane's low 16 bits are the result; the rest is garbage.
+inline VI clamp_canonical_nan(const Vec& v) {
+  return at::vec::minimum(at::vec::cast<int32_t>(v), VI(0x7FFF0000));
+}
+
+inline VI round_bf16_nearest_vec(const Vec& v) {
+  const VI x = clamp_canonical_nan(v);
+  return (x + VI(0x7FFF) + ((x >> VI(16)) & VI(1))) >> VI(16);
+}
+
+// `random`: each lane's 16 random bits in its low half.
+inline VI round_bf16_stochastic_vec(const Vec& v, const VI& random) {
+  return (clamp_canonical_nan(v) + (random & VI(0xFFFF))) >> VI(16);
+}
+
+// The low 16 bits of each lane, stored as consecutive uint16 (a loop the compiler turns
+// into one narrowing store).
+inline void store_low16(const VI& r, uint16_t* dst) {
+#if defined(CPU_CAPABILITY_AVX512)
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), _mm512_cvtepi32_epi16(r));
+#elif defined(CPU_CAPABILITY_AVX2)
+  // packus saturates signed lanes to [0, 65535]: the high halves are cleared first; it
+  // packs within 128-bit halves, so the two 64-bit groups in the middle swap back.
+  const __m256i low = _mm256_and_si256(r, _mm256_set1_epi32(0xFFFF));
+  const __m256i packed = _mm256_packus_epi32(low, low);
+  const __m256i ordered = _mm256_permute4x64_epi64(packed, 0x08);  // qwords 0, 2
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), _mm256_castsi256_si128(ordered));
+#else
+  alignas(64) int32_t lanes[VI::size()];
+  r.store(lanes);
+  for (int64_t j = 0; j < VI::size(); ++j) dst[j] = static_cast<uint16_t>(lanes[j]);
+#endif
+}
+
 // master_or_param for BF16 on a vector of lanes.
 inline Vec master_or_param_bf16(const Vec& master, const Vec& widened) {
   const VI param = shr(at::vec::cast<int32_t>(widened), 16);
@@ -125,21 +191,80 @@ constexpr bool kVectorUpdate = false;
 constexpr bool kVectorUpdate = true;
 #endif
 
+// Where the moments are stored: as the math type M, or as BF16 (Note [Low-precision
+// states] in adamw_math.h). Loads widen exactly; stores round.
+template <typename M, typename S>
+struct MomentStore {
+  S* base;
+  Rounding rounding;
+
+  using V = at::vec::Vectorized<M>;
+  static constexpr bool kBf16 = std::is_same_v<S, c10::BFloat16>;
+
+  inline V load(int64_t k) const {
+    if constexpr (kBf16) {
+      return cpu::load_fp32<c10::BFloat16>(base + k);
+    } else {
+      return V::loadu(base + k);
+    }
+  }
+  // `random`: each lane's random bits in its low 16 (stochastic rounding only).
+  inline void store(const V& x, int64_t k, const VI& random) const {
+    if constexpr (kBf16) {
+      uint16_t* bits = reinterpret_cast<uint16_t*>(base + k);
+      store_low16(rounding == Rounding::kStochastic ? round_bf16_stochastic_vec(x, random)
+                                                    : round_bf16_nearest_vec(x),
+                  bits);
+    } else {
+      x.store(base + k);
+    }
+  }
+  inline M get(int64_t k) const {
+    if constexpr (kBf16) {
+      return widen_bf16(reinterpret_cast<const uint16_t*>(base)[k]);
+    } else {
+      return base[k];
+    }
+  }
+  inline void set(M x, int64_t k, uint32_t random) const {
+    if constexpr (kBf16) {
+      reinterpret_cast<uint16_t*>(base)[k] = round_moment(x, rounding, random);
+    } else {
+      base[k] = x;
+    }
+  }
+};
+
+// The random bits of the moments of W elements from `index` (Note [Low-precision states]):
+// {exp_avg's and exp_avg_sq's draw, max_exp_avg_sq's draw}; zeros where none is needed.
+template <bool STOCHASTIC_BF16, bool AMSGRAD>
+inline std::pair<VI, VI> moment_bits_vec(uint32_t key_mv, uint32_t key_vm, int64_t index) {
+  if constexpr (!STOCHASTIC_BF16) {
+    return {VI(0), VI(0)};
+  } else {
+    return {rounding_bits_vec(key_mv, index), AMSGRAD ? rounding_bits_vec(key_vm, index) : VI(0)};
+  }
+}
+
 // Elements [begin, end) of one tensor at step t.
-template <typename P, typename G, bool AMSGRAD>
+template <typename P, typename G, typename S, bool AMSGRAD>
 void update_range(const AdamWLaunch& L, const TensorEntry& e, const StepCoefs<MathOf<P>>& c,
                   int64_t t, int64_t begin, int64_t end) {
   using M = MathOf<P>;
   using V = at::vec::Vectorized<M>;
   constexpr int64_t W = V::size();
-  constexpr int64_t kLineElems = 64 / sizeof(M);  // one prefetch per cache line of state
+  constexpr int64_t kLineElems = 64 / sizeof(M);  // one prefetch per cache line of math type
   static_assert(kLineElems % W == 0, "a cache line must hold whole vectors");
   P* p = static_cast<P*>(e.param);
   const G* g = static_cast<const G*>(e.grad);
-  M* m = static_cast<M*>(L.exp_avg) + e.state_offset;
-  M* v = static_cast<M*>(L.exp_avg_sq) + e.state_offset;
-  M* vm = AMSGRAD ? static_cast<M*>(L.max_exp_avg_sq) + e.state_offset : nullptr;
-  float* master = kIs16Bit<P> && L.master != nullptr ? L.master + e.state_offset : nullptr;
+  const int64_t off = e.state_offset;
+  const Rounding sr = L.state_rounding;
+  const MomentStore<M, S> m{static_cast<S*>(L.exp_avg) + off, sr};
+  const MomentStore<M, S> v{static_cast<S*>(L.exp_avg_sq) + off, sr};
+  const MomentStore<M, S> vm{AMSGRAD ? static_cast<S*>(L.max_exp_avg_sq) + off : nullptr, sr};
+  const uint32_t key_mv = moment_key(L.seed, t, Moment::kAverages);
+  const uint32_t key_vm = moment_key(L.seed, t, Moment::kMaxExpAvgSq);
+  float* master = kIs16Bit<P> && L.master != nullptr ? L.master + off : nullptr;
   uint16_t* p16 = reinterpret_cast<uint16_t*>(p);
   const uint32_t key = rounding_key(L.seed, t);
   const StepCoefs<V> cv = broadcast(c);
@@ -159,38 +284,48 @@ void update_range(const AdamWLaunch& L, const TensorEntry& e, const StepCoefs<Ma
     } else {
       pv = V::loadu(p + k);
     }
-    V mv = V::loadu(m + k), vv = V::loadu(v + k);
-    V vmv = AMSGRAD ? V::loadu(vm + k) : V(M(0));
+    V mv = m.load(k), vv = v.load(k);
+    V vmv = AMSGRAD ? vm.load(k) : V(M(0));
     adamw_element<AMSGRAD, VecOps>(pv, load_grad<M>(g + k), mv, vv, vmv, cv);
     if constexpr (kIs16Bit<P>) {
       alignas(64) float out[W];
       pv.store(out);
       if (master != nullptr) pv.store(master + k);
       for (int64_t j = 0; j < W; ++j) {
-        p16[k + j] = round_param<kIsHalf<P>>(out[j], L.rounding, key, e.state_offset + k + j);
+        p16[k + j] = round_param<kIsHalf<P>>(out[j], L.rounding, key, off + k + j);
       }
     } else {
       pv.store(p + k);
     }
-    mv.store(m + k);
-    vv.store(v + k);
-    if (AMSGRAD) vmv.store(vm + k);
+    if constexpr (MomentStore<M, S>::kBf16) {
+      const auto [r_mv, r_vm] =
+          sr == Rounding::kStochastic
+              ? moment_bits_vec<MomentStore<M, S>::kBf16, AMSGRAD>(key_mv, key_vm, off + k)
+              : std::pair<VI, VI>{VI(0), VI(0)};
+      m.store(mv, k, r_mv);
+      v.store(vv, k, shr(r_mv, 16));
+      if (AMSGRAD) vm.store(vmv, k, r_vm);
+    } else {
+      m.store(mv, k, VI(0));
+      v.store(vv, k, VI(0));
+      if (AMSGRAD) vm.store(vmv, k, VI(0));
+    }
   };
   int64_t k = begin;
   if constexpr (kVectorUpdate) {
     for (; k + kLineElems <= end; k += kLineElems) {
       __builtin_prefetch(p + k + kPrefetchElems, 1);  // written back: fetch for writing
       __builtin_prefetch(g + k + kPrefetchElems, 0);
-      __builtin_prefetch(m + k + kPrefetchElems, 1);
-      __builtin_prefetch(v + k + kPrefetchElems, 1);
-      if (AMSGRAD) __builtin_prefetch(vm + k + kPrefetchElems, 1);
+      __builtin_prefetch(m.base + k + kPrefetchElems, 1);
+      __builtin_prefetch(v.base + k + kPrefetchElems, 1);
+      if (AMSGRAD) __builtin_prefetch(vm.base + k + kPrefetchElems, 1);
       if (master != nullptr) __builtin_prefetch(master + k + kPrefetchElems, 1);
       for (int64_t j = k; j < k + kLineElems; j += W) update_vec(j);
     }
     for (; k + W <= end; k += W) update_vec(k);
   }
   for (; k < end; ++k) {  // the leftover elements, same math on scalars
-    M vmk = AMSGRAD ? vm[k] : M(0);
+    M mk = m.get(k), vk = v.get(k), vmk = AMSGRAD ? vm.get(k) : M(0);
     M pk;
     if constexpr (kIs16Bit<P>) {
       pk = master != nullptr ? master_or_param<kIsHalf<P>>(master[k], p16[k], widen<P>(p16[k]))
@@ -198,62 +333,87 @@ void update_range(const AdamWLaunch& L, const TensorEntry& e, const StepCoefs<Ma
     } else {
       pk = p[k];
     }
-    adamw_element<AMSGRAD, ScalarOps>(pk, static_cast<M>(g[k]), m[k], v[k], vmk, c);
+    adamw_element<AMSGRAD, ScalarOps>(pk, static_cast<M>(g[k]), mk, vk, vmk, c);
     if constexpr (kIs16Bit<P>) {
       if (master != nullptr) master[k] = pk;
-      p16[k] = round_param<kIsHalf<P>>(pk, L.rounding, key, e.state_offset + k);
+      p16[k] = round_param<kIsHalf<P>>(pk, L.rounding, key, off + k);
     } else {
       p[k] = pk;
     }
-    if (AMSGRAD) vm[k] = vmk;
+    uint32_t r_mv = 0, r_vm = 0;
+    if (MomentStore<M, S>::kBf16 && sr == Rounding::kStochastic) {
+      r_mv = rounding_bits(key_mv, off + k);
+      if (AMSGRAD) r_vm = rounding_bits(key_vm, off + k);
+    }
+    m.set(mk, k, r_mv);
+    v.set(vk, k, r_mv >> 16);
+    if (AMSGRAD) vm.set(vmk, k, r_vm);
   }
 }
 
-template <typename P, typename G, bool AMSGRAD>
+template <typename P, typename G, typename S, bool AMSGRAD>
 void run(const AdamWLaunch& L, float factor) {
   // A grain of a few tiles: a bucket of one or two tiles runs on the calling thread
   // instead of waking the pool (far more costly than the work on a loaded machine).
   constexpr int64_t kGrain = 4;
   at::parallel_for(0, L.n_units, kGrain, [&](int64_t u_begin, int64_t u_end) {
     int64_t i = find_tensor(L.table, L.n_tensors, u_begin);
+    // The coefficients depend on t alone, which most tensors of a bucket share: made once
+    // per run of equal counters, not per tile (a model of many small tensors has a tile
+    // per tensor, and each make_coefs computes two FP64 powers).
+    int64_t last_t = -1;
+    StepCoefs<MathOf<P>> c{};
     for (int64_t u = u_begin; u < u_end; ++u) {
       while (i + 1 < L.n_tensors && L.table[i + 1].unit_start <= u) ++i;
       const TensorEntry& e = L.table[i];
       // The counter was advanced before the parallel region (see adamw_cpu).
       const int64_t t = step_count(L.steps[e.step_index]);  // Note [Step counter range]
-      const StepCoefs<MathOf<P>> c = make_coefs<MathOf<P>>(L.hyper, factor, t);
+      if (t != last_t) {
+        c = make_coefs<MathOf<P>>(L.hyper, factor, t);
+        last_t = t;
+      }
       const int64_t begin = (u - e.unit_start) * kCpuTile;
-      update_range<P, G, AMSGRAD>(L, e, c, t, begin, std::min(begin + kCpuTile, e.numel));
+      update_range<P, G, S, AMSGRAD>(L, e, c, t, begin, std::min(begin + kCpuTile, e.numel));
     }
   });
 }
 
-template <typename P, typename G>
+template <typename P, typename G, typename S>
 void run_amsgrad(const AdamWLaunch& L, float factor) {
   if (L.amsgrad) {
-    run<P, G, true>(L, factor);
+    run<P, G, S, true>(L, factor);
   } else {
-    run<P, G, false>(L, factor);
+    run<P, G, S, false>(L, factor);
   }
+}
+
+// The moments' storage type: the math type, or BF16 (not for FP64 parameters: the binding
+// refuses it).
+template <typename P, typename G>
+void run_state(const AdamWLaunch& L, float factor) {
+  if constexpr (!std::is_same_v<P, double>) {
+    if (L.state_dtype == DType::kBFloat16) return run_amsgrad<P, G, c10::BFloat16>(L, factor);
+  }
+  run_amsgrad<P, G, MathOf<P>>(L, factor);
 }
 
 // The gradient dtypes each parameter dtype takes (checked by the binding).
 template <typename P>
 void run_param(const AdamWLaunch& L, float factor) {
   if constexpr (std::is_same_v<P, double>) {
-    run_amsgrad<double, double>(L, factor);
+    run_state<double, double>(L, factor);
   } else if constexpr (std::is_same_v<P, float>) {
     switch (L.grad_dtype) {
       case DType::kHalf:
-        return run_amsgrad<float, c10::Half>(L, factor);
+        return run_state<float, c10::Half>(L, factor);
       case DType::kBFloat16:
-        return run_amsgrad<float, c10::BFloat16>(L, factor);
+        return run_state<float, c10::BFloat16>(L, factor);
       default:
-        return run_amsgrad<float, float>(L, factor);
+        return run_state<float, float>(L, factor);
     }
   } else {  // a 16-bit parameter: its own dtype or FP32 gradients
-    if (L.grad_dtype == DType::kFloat) return run_amsgrad<P, float>(L, factor);
-    return run_amsgrad<P, P>(L, factor);
+    if (L.grad_dtype == DType::kFloat) return run_state<P, float>(L, factor);
+    return run_state<P, P>(L, factor);
   }
 }
 

@@ -1,0 +1,178 @@
+#!/usr/bin/env python3
+"""Benchmark: the bare AdamW step with low-precision optimizer states (Note [Low-precision
+states] in csrc/adamw_math.h) against torch's fused FP32 step, in one run.
+
+Variants, the same FP32 parameters and gradients for each (its own copy):
+  torch_fused      torch.optim.AdamW(fused=True), FP32 moments (the anchor)
+  ours_fp32        ruda_torch.AdamW(fused_step=True), FP32 moments
+  ours_bf16        ruda_torch.AdamW(fused_step=True, state_precision="bf16")
+  torchao_8bit     torchao.optim.AdamW8bit (where torchao is installed; skipped otherwise)
+  torch_fused_bf16 torch's fused step with BF16 moment tensors (torch 2.13/2.14 refuse it on
+                   the CPU; the refusal is reported, and on a GPU it runs)
+  stream_add       a.add_(b) over the same number of FP32 elements: the machine's own
+                   streaming rate (12 bytes per element), as in bench_adamw.py
+The variants alternate (forward, then reversed) from one sample to the next; reported
+are the median, min and max per step, each variant's median ratio to torch_fused, and
+its bandwidth by the traffic model (bytes per element of one step: FP32 moments 28
+(parameter read and written, gradient read, two moments read and written), BF16 moments
+20, 8-bit moments 16 plus a scale per block) against stream_add's.
+Also the optimizer state's bytes per parameter element, counted from the state itself.
+Tensor sizes are rounded to multiples of 256 (50M in 200 tensors: 200 x 250,112), so
+that torchao quantizes every tensor.
+
+    .venv/bin/python benchmarks/bench_state_precision.py --elements 50M --tensors 200
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_adamw import environment, parse_elements  # noqa: E402
+
+import ruda_torch  # noqa: E402
+
+HYPER = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2)
+TRAFFIC = {"torch_fused": 28, "ours_fp32": 28, "ours_bf16": 20, "torchao_8bit": 16,
+           "torch_fused_bf16": 20, "stream_add": 12}  # fmt: skip
+
+
+def make_params(sizes: list[int], seed: int) -> list[torch.nn.Parameter]:
+    gen = torch.Generator().manual_seed(seed)
+    params = [torch.nn.Parameter(torch.randn(s, generator=gen)) for s in sizes]
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=gen) * 1e-2
+    return params
+
+
+def state_bytes(opt: torch.optim.Optimizer) -> int:
+    """Bytes of every tensor in the optimizer state but the step counters."""
+    total = 0
+    for entry in opt.state.values():
+        for key, v in entry.items():
+            if key == "step" or not isinstance(v, torch.Tensor):
+                continue
+            inner = [getattr(v, a) for a in getattr(v, "__tensor_flatten__", lambda: ([], 0))()[0]]
+            for t in inner or [v]:
+                total += t.numel() * t.element_size()
+    return total
+
+
+def build(name: str, sizes: list[int]):
+    """(step function, optimizer) of a variant, or (None, reason) where it cannot run."""
+    params = make_params(sizes, seed=0)
+    if name == "torch_fused":
+        opt = torch.optim.AdamW(params, fused=True, **HYPER)
+    elif name == "ours_fp32":
+        opt = ruda_torch.AdamW(params, fused_step=True, **HYPER)
+    elif name == "ours_bf16":
+        opt = ruda_torch.AdamW(params, fused_step=True, state_precision="bf16", **HYPER)
+    elif name == "torchao_8bit":
+        try:
+            from torchao.optim import AdamW8bit
+        except ImportError as e:
+            return None, f"torchao is not installed ({e})"
+        opt = AdamW8bit(params, **HYPER)
+    elif name == "torch_fused_bf16":
+        opt = torch.optim.AdamW(params, fused=True, **HYPER)
+        for p in params:
+            opt.state[p] = {
+                "step": torch.tensor(0.0),
+                "exp_avg": torch.zeros_like(p, dtype=torch.bfloat16),
+                "exp_avg_sq": torch.zeros_like(p, dtype=torch.bfloat16),
+            }
+    elif name == "stream_add":
+        a, b = torch.randn(sum(sizes)), torch.randn(sum(sizes)) * 1e-9
+        return (lambda: a.add_(b)), None
+    else:
+        raise KeyError(name)
+    try:
+        opt.step()  # first step: state, compilation
+    except RuntimeError as e:
+        return None, f"refused: {str(e).splitlines()[0]}"
+    return opt.step, opt
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--elements", default="50M", help="parameter elements (default: 50M)")
+    ap.add_argument("--tensors", type=int, default=200, help="tensors they are split into")
+    ap.add_argument("--samples", type=int, default=7, help="alternating samples per variant")
+    ap.add_argument("--iterations", type=int, default=3, help="steps per sample")
+    ap.add_argument("--warmup", type=int, default=2, help="steps per variant before measuring")
+    ap.add_argument("--json", type=Path, help="write the results here")
+    args = ap.parse_args(argv)
+    n = parse_elements(args.elements)[0]
+    # Multiples of 256: torchao quantizes only tensors whose size its block (256) divides,
+    # and keeps the others FP32 (50M / 200 = 250,000 is not one).
+    each = max(256, round(n / args.tensors / 256) * 256)
+    sizes = [each] * args.tensors
+    n = sum(sizes)
+    env = environment(torch.device("cpu"))
+    print(f"{n:,} FP32 elements in {args.tensors} tensors; CPU {env.get('cpu_model')}, "
+          f"{torch.get_num_threads()} threads, torch {torch.__version__}", flush=True)  # fmt: skip
+    names = [
+        "torch_fused",
+        "ours_fp32",
+        "ours_bf16",
+        "torchao_8bit",
+        "torch_fused_bf16",
+        "stream_add",
+    ]
+    steps, skipped, bytes_per = {}, {}, {}
+    for name in names:
+        print(f"  setting up {name} ...", flush=True)
+        fn, opt = build(name, sizes)
+        if fn is None:
+            skipped[name] = opt
+            print(f"  {name}: {opt}", flush=True)
+            continue
+        for _ in range(args.warmup):
+            fn()
+        steps[name] = fn
+        if isinstance(opt, torch.optim.Optimizer):
+            bytes_per[name] = state_bytes(opt) / n
+    times = {name: [] for name in steps}
+    order = list(steps)
+    for s in range(args.samples):
+        for name in order if s % 2 == 0 else order[::-1]:
+            t0 = time.perf_counter()
+            for _ in range(args.iterations):
+                steps[name]()
+            times[name].append((time.perf_counter() - t0) * 1e3 / args.iterations)
+        print(f"  sample {s + 1}/{args.samples}: "
+              + ", ".join(f"{k} {v[-1]:.1f} ms" for k, v in times.items()), flush=True)  # fmt: skip
+    stream = times.get("stream_add")
+    stream_gbs = 12 * n / statistics.median(stream) / 1e6 if stream else None
+    anchor = statistics.median(times["torch_fused"])
+    rows = {}
+    print(f"\n{'variant':<18}{'median ms':>10}{'min':>8}{'max':>8}{'vs torch':>10}"
+          f"{'GB/s':>8}{'of add_':>9}{'state B/elem':>14}")  # fmt: skip
+    for name, ts in times.items():
+        med = statistics.median(ts)
+        gbs = TRAFFIC[name] * n / med / 1e6
+        row = dict(median_ms=med, min_ms=min(ts), max_ms=max(ts), samples=ts,
+                   speedup_vs_torch_fused=anchor / med, model_gbs=gbs,
+                   of_stream_add=gbs / stream_gbs if stream_gbs else None,
+                   state_bytes_per_element=bytes_per.get(name))  # fmt: skip
+        rows[name] = row
+        sb = f"{bytes_per[name]:.3f}" if name in bytes_per else "-"
+        print(f"{name:<18}{med:>10.1f}{min(ts):>8.1f}{max(ts):>8.1f}{anchor / med:>9.2f}x"
+              f"{gbs:>8.1f}{row['of_stream_add'] or 0:>8.0%}{sb:>14}")  # fmt: skip
+    for name, why in skipped.items():
+        print(f"{name:<18}not run: {why}")
+    if args.json:
+        args.json.write_text(json.dumps(dict(environment=env, elements=n, tensors=args.tensors,
+                                             results=rows, skipped=skipped), indent=1))  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,223 @@
+#!/usr/bin/env python3
+"""Training quality with low-precision optimizer states, on real text made on this machine.
+
+A small byte-level transformer language model is trained on the Python standard
+library's own sources (every ``.py`` file under ``sysconfig``'s stdlib path, read in
+sorted order; every 10th file is held out for validation), from one fixed seed, with the
+same initialization, batches and learning-rate schedule for every optimizer:
+
+  fp32               ruda_torch.AdamW(fused_step=True), FP32 moments (the reference)
+  bf16               state_precision="bf16" (moments rounded stochastically: the default)
+  bf16_nearest       state_precision="bf16", state_rounding="nearest"
+  torch              torch.optim.AdamW (FP32 moments)
+  torchao_8bit       torchao.optim.AdamW8bit (where torchao is installed)
+
+Reported: the validation loss (mean cross-entropy in nats per byte over fixed held-out
+windows) after training, each run's relative difference to fp32, and the time per step.
+Progress is printed as the runs go.
+
+    .venv/bin/python benchmarks/quality_state_precision.py --steps 600
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import sysconfig
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_adamw import environment  # noqa: E402
+
+import ruda_torch  # noqa: E402
+
+HYPER = dict(lr=2e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1)
+
+
+def corpus(max_bytes: int) -> tuple[torch.Tensor, torch.Tensor, int, int]:
+    """(train bytes, validation bytes, train files, validation files) from the stdlib."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = sorted(p for p in root.rglob("*.py") if "site-packages" not in p.parts)
+    train, val, n_train, n_val = bytearray(), bytearray(), 0, 0
+    for i, path in enumerate(files):
+        data = path.read_bytes()
+        if i % 10 == 9:
+            if len(val) < max_bytes // 10:
+                val += data
+                n_val += 1
+        elif len(train) < max_bytes:
+            train += data
+            n_train += 1
+    if len(train) < 100_000 or len(val) < 10_000:
+        raise SystemExit(f"too little standard-library source under {root}")
+    as_tensor = lambda b: torch.frombuffer(bytearray(b), dtype=torch.uint8).long()  # noqa: E731
+    return as_tensor(train), as_tensor(val), n_train, n_val
+
+
+class Block(nn.Module):
+    def __init__(self, d: int, heads: int):
+        super().__init__()
+        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.attn = nn.MultiheadAttention(d, heads, batch_first=True)
+        self.mlp = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
+
+    def forward(self, x, mask):
+        h = self.ln1(x)
+        x = x + self.attn(h, h, h, attn_mask=mask, need_weights=False)[0]
+        return x + self.mlp(self.ln2(x))
+
+
+class ByteLM(nn.Module):
+    def __init__(self, context: int, d: int = 128, layers: int = 4, heads: int = 4):
+        super().__init__()
+        self.emb = nn.Embedding(256, d)
+        self.pos = nn.Parameter(torch.randn(context, d) * 0.02)
+        self.blocks = nn.ModuleList(Block(d, heads) for _ in range(layers))
+        self.ln = nn.LayerNorm(d)
+        self.head = nn.Linear(d, 256)
+        mask = torch.triu(torch.full((context, context), float("-inf")), diagonal=1)
+        self.register_buffer("mask", mask)
+
+    def forward(self, idx):
+        t = idx.shape[1]
+        x = self.emb(idx) + self.pos[:t]
+        for b in self.blocks:
+            x = b(x, self.mask[:t, :t])
+        return self.head(self.ln(x))
+
+
+def make_optimizer(name: str, params):
+    if name == "torch":
+        return torch.optim.AdamW(params, **HYPER)
+    if name == "torchao_8bit":
+        from torchao.optim import AdamW8bit
+
+        return AdamW8bit(params, **HYPER)
+    kw = dict(fused_step=True, rounding_seed=1)
+    if name.startswith("bf16"):
+        kw["state_precision"] = "bf16"
+    if name == "bf16_nearest":
+        kw["state_rounding"] = "nearest"
+    return ruda_torch.AdamW(params, **HYPER, **kw)
+
+
+def batches(data: torch.Tensor, n: int, batch: int, context: int, seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    for _ in range(n):
+        starts = torch.randint(0, data.numel() - context - 1, (batch,), generator=gen)
+        idx = starts[:, None] + torch.arange(context + 1)
+        chunk = data[idx]
+        yield chunk[:, :-1], chunk[:, 1:]
+
+
+@torch.no_grad()
+def evaluate(model, val: torch.Tensor, context: int, windows: int) -> float:
+    model.eval()
+    total, count = 0.0, 0
+    stride = max(1, (val.numel() - context - 1) // windows)
+    starts = torch.arange(windows) * stride
+    for chunk in starts.split(32):
+        idx = chunk[:, None] + torch.arange(context + 1)
+        x, y = val[idx][:, :-1], val[idx][:, 1:]
+        loss = nn.functional.cross_entropy(
+            model(x).reshape(-1, 256), y.reshape(-1), reduction="sum"
+        )
+        total += loss.item()
+        count += y.numel()
+    model.train()
+    return total / count
+
+
+def train(name, train_data, val_data, args, seed: int) -> dict:
+    torch.manual_seed(seed)
+    model = ByteLM(args.context)
+    opt = make_optimizer(name, model.parameters())
+    warmup = max(1, args.steps // 20)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt,
+        lambda s: (
+            min(1.0, (s + 1) / warmup)
+            * 0.5
+            * (1 + math.cos(math.pi * min(s, args.steps) / args.steps))
+        ),
+    )
+    t0 = time.perf_counter()
+    losses = []
+    data = batches(train_data, args.steps, args.batch, args.context, seed + 7)
+    for step, (x, y) in enumerate(data):
+        loss = nn.functional.cross_entropy(model(x).reshape(-1, 256), y.reshape(-1))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        losses.append(loss.item())
+        if (step + 1) % max(1, args.steps // 10) == 0:
+            recent = sum(losses[-20:]) / len(losses[-20:])
+            print(f"  {name} (seed {seed}): step {step + 1}/{args.steps}, train loss {recent:.4f}, "
+                  f"{(time.perf_counter() - t0) / (step + 1) * 1e3:.0f} ms/step", flush=True)  # fmt: skip
+    seconds = time.perf_counter() - t0
+    val = evaluate(model, val_data, args.context, args.val_windows)
+    print(f"  {name} (seed {seed}): validation loss {val:.4f} nats/byte", flush=True)
+    return dict(val_loss=val, train_loss_last=sum(losses[-20:]) / 20, seconds=seconds,
+                ms_per_step=seconds / args.steps * 1e3)  # fmt: skip
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--steps", type=int, default=600)
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--context", type=int, default=128)
+    ap.add_argument("--max-bytes", type=int, default=8_000_000, help="training text (bytes)")
+    ap.add_argument("--val-windows", type=int, default=512)
+    ap.add_argument("--seeds", default="0", help="comma-separated: initialization and batch order")
+    ap.add_argument("--runs", default="fp32,bf16,bf16_nearest,torch,torchao_8bit")
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args(argv)
+    train_data, val_data, n_train, n_val = corpus(args.max_bytes)
+    env = environment(torch.device("cpu"))
+    print(f"stdlib text: {train_data.numel():,} training bytes ({n_train} files), "
+          f"{val_data.numel():,} validation bytes ({n_val} held-out files); CPU "
+          f"{env.get('cpu_model')}, {torch.get_num_threads()} threads", flush=True)  # fmt: skip
+    seeds = [int(x) for x in args.seeds.split(",")]
+    results, skipped = {}, {}
+    for name in args.runs.split(","):
+        if name == "torchao_8bit":
+            try:
+                import torchao.optim  # noqa: F401
+            except ImportError as e:
+                skipped[name] = f"torchao is not installed ({e})"
+                print(f"  {name}: not run: {skipped[name]}")
+                continue
+        print(f"run {name}", flush=True)
+        per_seed = [train(name, train_data, val_data, args, seed) for seed in seeds]
+        results[name] = dict(per_seed=per_seed, seeds=seeds,
+                             val_loss=sum(r["val_loss"] for r in per_seed) / len(seeds),
+                             ms_per_step=sum(r["ms_per_step"] for r in per_seed) / len(seeds))  # fmt: skip
+    fp32 = results.get("fp32", {}).get("per_seed", [])
+    ref = {s: r["val_loss"] for s, r in zip(seeds, fp32, strict=False)}
+    print("\nvalidation loss (nats/byte) per seed, and the mean; vs fp32: the mean of the "
+          "per-seed relative differences")  # fmt: skip
+    print(f"{'run':<15}" + "".join(f"{'seed ' + str(s):>11}" for s in seeds)
+          + f"{'mean':>10}{'vs fp32':>10}{'ms/step':>9}")  # fmt: skip
+    for name, r in results.items():
+        vals = [x["val_loss"] for x in r["per_seed"]]
+        rel = [v / ref[s] - 1 for s, v in zip(seeds, vals, strict=True) if s in ref]
+        r["vs_fp32"] = sum(rel) / len(rel) if rel else None
+        print(f"{name:<15}" + "".join(f"{v:>11.4f}" for v in vals) + f"{r['val_loss']:>10.4f}"
+              + (f"{r['vs_fp32']:>+10.2%}" if rel else f"{'-':>10}")
+              + f"{r['ms_per_step']:>9.0f}")  # fmt: skip
+    if args.json:
+        args.json.write_text(json.dumps(dict(environment=env, args=vars(args) | {"json": None},
+                                             results=results, skipped=skipped), indent=1))  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
