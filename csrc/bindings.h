@@ -88,6 +88,7 @@ struct FlatBucket {
   // What each view is (Note [Exact views] in csrc/module.cpp), recorded when the handle
   // is made and compared by flat_check at every step.
   std::vector<int64_t> view_facts;
+  std::vector<int64_t> view_fact_starts;  // where view i's record starts in view_facts
   // Statistics of the selected subset, one piece [lo, hi) of it at a time (CUDA): the
   // pieces partition the subset, so their tables fit one buffer of an entry per
   // parameter, piece [lo, hi) at entry lo, allocated once and rewritten in place (as

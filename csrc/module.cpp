@@ -5,14 +5,16 @@
 // `grads_of`, which gathers a bucket's gradients.
 //
 // `unchanged` compares object identities, shapes and views (Note [Exact views]), never values: it
-// is a loop over pointers, so that checking 20,000 parameters and their state entries costs a
-// fraction of a millisecond where the same loop in Python would cost several.
+// is loops over pointers, on all of torch's threads (Note [Checks on all threads]), where the
+// same loops in Python would cost tens of milliseconds for 20,000 parameters.
 #include <torch/csrc/Exceptions.h>
 #include <torch/csrc/autograd/python_variable.h>
 
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <atomic>
+#include <limits>
 #include <memory>
 #include <optional>
 #include <vector>
@@ -22,35 +24,6 @@
 #include "kernels.h"
 
 namespace {
-
-// Whether container `actual` still holds exactly the objects expected[*at ...] (identity),
-// in order: a dict its items as key, value, key, value, ...; a list its items. Advances
-// *at past them. Any other container counts as changed (the caller then re-derives).
-bool same_items(PyObject* actual, PyObject* expected, Py_ssize_t* at) {
-  const Py_ssize_t end = PyList_GET_SIZE(expected);
-  Py_ssize_t i = *at;
-  if (PyDict_Check(actual)) {
-    if (i + 2 * PyDict_Size(actual) > end) return false;
-    Py_ssize_t pos = 0;
-    PyObject *key, *value;
-    while (PyDict_Next(actual, &pos, &key, &value)) {
-      if (key != PyList_GET_ITEM(expected, i) || value != PyList_GET_ITEM(expected, i + 1)) {
-        return false;
-      }
-      i += 2;
-    }
-  } else if (PyList_Check(actual)) {
-    const Py_ssize_t n = PyList_GET_SIZE(actual);
-    if (i + n > end) return false;
-    for (Py_ssize_t k = 0; k < n; ++k, ++i) {
-      if (PyList_GET_ITEM(actual, k) != PyList_GET_ITEM(expected, i)) return false;
-    }
-  } else {
-    return false;
-  }
-  *at = i;
-  return true;
-}
 
 // A contiguous CPU int64 tensor's data (null when empty) and size; false with a Python
 // error set for anything else (`name` says which argument of which function).
@@ -202,92 +175,225 @@ PyObject* view_record(PyObject*, PyObject* tensors) {
   return list;
 }
 
+// Note [Checks on all threads]
+// The checks below read, for every fused parameter, a few objects allocated one by one
+// (a dict, a Python tensor object, a TensorImpl): after the kernel swept the caches each
+// is a miss, and a loop that waits for them one at a time is bound by memory latency.
+// So the records are walked first, serially (they are contiguous), to find where each
+// object's record starts, and the objects are then compared on all of torch's threads,
+// each prefetching a few objects ahead, so that many misses are in flight at once. The
+// workers read Python objects without taking the GIL: plain loads of fields of objects
+// that the calling thread keeps alive and holds the GIL for, so that no Python code can
+// change them meanwhile (no reference counts are touched, nothing is allocated). Python
+// builds without a GIL run the same loops on the calling thread alone.
+#ifdef Py_GIL_DISABLED
+constexpr int64_t kCheckGrain = std::numeric_limits<int64_t>::max();
+#else
+constexpr int64_t kCheckGrain = 2048;
+#endif
+
+// What a worker thread finds of item j: the same, different, or an object it must not
+// look into (a tensor subclass: telling what it is may run Python code), which the
+// calling thread then checks.
+enum class Verdict : uint8_t { kSame, kDifferent, kOnCaller };
+
+// Runs check(j) for j in [0, n) on all threads, then on_caller(j) on the calling thread
+// where check(j) said so (Note [Checks on all threads]); false as soon as one finds a
+// difference. prefetch(j) is called a few items ahead of check(j).
+template <typename Prefetch, typename Check, typename OnCaller>
+bool check_all(int64_t n, Prefetch prefetch, Check check, OnCaller on_caller) {
+  std::atomic<bool> same{true}, deferred{false};
+  std::vector<uint8_t> later(static_cast<size_t>(n), 0);
+  constexpr int64_t kAhead = 12;
+  at::parallel_for(0, n, std::min<int64_t>(kCheckGrain, std::max<int64_t>(n, 1)),
+                   [&](int64_t begin, int64_t stop) {
+                     for (int64_t j = begin; j < std::min(stop, begin + kAhead); ++j) prefetch(j);
+                     for (int64_t j = begin; j < stop; ++j) {
+                       if (!same.load(std::memory_order_relaxed)) return;
+                       if (j + kAhead < stop) prefetch(j + kAhead);
+                       const Verdict v = check(j);
+                       if (v == Verdict::kDifferent) {
+                         same.store(false, std::memory_order_relaxed);
+                       } else if (v == Verdict::kOnCaller) {
+                         later[static_cast<size_t>(j)] = 1;
+                         deferred.store(true, std::memory_order_relaxed);
+                       }
+                     }
+                   });
+  if (!same.load()) return false;
+  if (deferred.load()) {
+    for (int64_t j = 0; j < n; ++j) {
+      if (later[static_cast<size_t>(j)] && !on_caller(j)) return false;
+    }
+  }
+  return true;
+}
+
+// The TensorImpl of a torch.Tensor or nn.Parameter object (their exact types: a field
+// read, safe on any thread), else null.
+const c10::TensorImpl* exact_impl_of(PyObject* obj) {
+  return THPVariable_CheckExact(obj) ? THPVariable_Unpack(obj).unsafeGetTensorImpl() : nullptr;
+}
+
+// The TensorImpl of any tensor object, tensor subclasses included (calling thread only:
+// the type test may run Python code), else null.
+const c10::TensorImpl* impl_of(PyObject* obj) {
+  return THPVariable_Check(obj) ? THPVariable_Unpack(obj).unsafeGetTensorImpl() : nullptr;
+}
+
+void prefetch_impl_of(PyObject* obj) {
+  if (const c10::TensorImpl* impl = exact_impl_of(obj)) {
+    const char* p = reinterpret_cast<const char*>(impl);
+    __builtin_prefetch(p);  // what the comparisons read: three cache lines
+    __builtin_prefetch(p + 64);
+    __builtin_prefetch(p + 128);
+  }
+}
+
+// check_all's check for a tensor object: compare(impl) where the worker may look into the
+// object, else on the calling thread.
+template <typename Compare>
+Verdict verdict_of(PyObject* obj, Compare compare) {
+  const c10::TensorImpl* impl = exact_impl_of(obj);
+  if (impl == nullptr) return Verdict::kOnCaller;
+  return compare(*impl) ? Verdict::kSame : Verdict::kDifferent;
+}
+
 // Whether every tensor of `tensors` is still the view view_record() recorded in *want.
 bool same_views(PyObject* tensors, const int64_t* want, const int64_t* end) {
-  // Bound by memory latency: after the kernel swept the caches every view's TensorImpl is
-  // cold (three cache lines hold what is compared). First, serially and holding the GIL,
-  // the TensorImpl of each view and where its record starts (reading only the Python
-  // objects and the records, both laid out in order); then the comparisons, which read
-  // only TensorImpls and the records, on all of torch's threads with the lines prefetched
-  // ahead, so that many misses are in flight at once (20,000 parameters have 60,000 state
-  // views: measured 2x faster than one thread on 2 cores).
   const Py_ssize_t m = PyList_GET_SIZE(tensors);
-  std::vector<const c10::TensorImpl*> impls(static_cast<size_t>(m));
   std::vector<const int64_t*> starts(static_cast<size_t>(m));
-  constexpr Py_ssize_t kObjAhead = 16;
   const int64_t* w = want;
   for (Py_ssize_t j = 0; j < m; ++j) {
-    if (j + kObjAhead < m) __builtin_prefetch(PyList_GET_ITEM(tensors, j + kObjAhead));
-    PyObject* obj = PyList_GET_ITEM(tensors, j);
-    if (!THPVariable_Check(obj) || end - w < 6) return false;
-    impls[static_cast<size_t>(j)] = THPVariable_Unpack(obj).unsafeGetTensorImpl();
+    if (end - w < 6) return false;
     starts[static_cast<size_t>(j)] = w;
     w = skip_view(w, end);
   }
   if (w != end) return false;
-  std::atomic<bool> same{true};
-  constexpr int64_t kImplAhead = 12;
-  at::parallel_for(0, m, 4096, [&](int64_t begin, int64_t stop) {
-    for (int64_t j = begin; j < stop && same.load(std::memory_order_relaxed); ++j) {
-      if (j + kImplAhead < stop) {
-        const char* ahead = reinterpret_cast<const char*>(impls[j + kImplAhead]);
-        __builtin_prefetch(ahead);
-        __builtin_prefetch(ahead + 64);
-        __builtin_prefetch(ahead + 128);
-      }
-      const int64_t* at = starts[j];
-      if (!same_view_impl(*impls[j], &at, end)) same.store(false, std::memory_order_relaxed);
-    }
-  });
-  return same.load();
+  PyObject** items = reinterpret_cast<PyListObject*>(tensors)->ob_item;
+  return check_all(
+      m,
+      [&](int64_t j) {
+        __builtin_prefetch(items[j]);
+        if (j + 8 < m) __builtin_prefetch(items[j + 8]);  // the object before its TensorImpl
+        prefetch_impl_of(items[j]);
+      },
+      [&](int64_t j) {
+        return verdict_of(items[j], [&](const c10::TensorImpl& impl) {
+          const int64_t* at = starts[static_cast<size_t>(j)];
+          return same_view_impl(impl, &at, end);
+        });
+      },
+      [&](int64_t j) {
+        const c10::TensorImpl* impl = impl_of(items[j]);
+        const int64_t* at = starts[static_cast<size_t>(j)];
+        return impl != nullptr && same_view_impl(*impl, &at, end);
+      });
 }
 
-// unchanged(containers, expected, tensors, shapes, views, facts) -> bool
-//   containers: dicts and lists; expected: their items, concatenated (see same_items);
-//   tensors: tensors whose layouts must not change; shapes: a CPU int64 tensor holding
-//   layout_record(tensors);
-//   views: the bucket views in the state, each of which must still be exactly the view
-//   recorded in facts (a CPU int64 tensor from view_record; Note [Exact views]).
+// Whether container `actual` (a dict or a list) still holds exactly `count` objects,
+// expected[0 .. count) (a dict as key, value, key, value, ...), by identity, in order.
+bool same_items_at(PyObject* actual, PyObject* const* expected, Py_ssize_t count) {
+  if (PyDict_Check(actual)) {
+    if (2 * PyDict_GET_SIZE(actual) != count) return false;
+    Py_ssize_t pos = 0, i = 0;
+    PyObject *key, *value;
+    while (PyDict_Next(actual, &pos, &key, &value)) {
+      if (key != expected[i] || value != expected[i + 1]) return false;
+      i += 2;
+    }
+    return true;
+  }
+  if (PyList_Check(actual)) {
+    if (PyList_GET_SIZE(actual) != count) return false;
+    PyObject** items = reinterpret_cast<PyListObject*>(actual)->ob_item;
+    for (Py_ssize_t k = 0; k < count; ++k) {
+      if (items[k] != expected[k]) return false;
+    }
+    return true;
+  }
+  return false;
+}
+
+// unchanged(containers, counts, expected, tensors, shapes, views, facts) -> bool
+//   containers: dicts and lists; counts: a CPU int64 tensor, how many items of `expected`
+//   each holds (twice its length for a dict); expected: their items, concatenated (a dict
+//   as key, value, ...); tensors: tensors whose layouts must not change; shapes: a CPU
+//   int64 tensor holding layout_record(tensors); views: the bucket views in the state,
+//   each of which must still be exactly the view recorded in facts (a CPU int64 tensor
+//   from view_record; Note [Exact views]). Note [Checks on all threads].
 PyObject* unchanged(PyObject*, PyObject* args) {
-  PyObject *containers, *expected, *tensors, *shapes_obj, *views, *facts_obj;
-  if (!PyArg_ParseTuple(args, "O!O!O!OO!O", &PyList_Type, &containers, &PyList_Type, &expected,
-                        &PyList_Type, &tensors, &shapes_obj, &PyList_Type, &views, &facts_obj)) {
+  PyObject *containers, *counts_obj, *expected, *tensors, *shapes_obj, *views, *facts_obj;
+  if (!PyArg_ParseTuple(args, "O!OO!O!OO!O", &PyList_Type, &containers, &counts_obj, &PyList_Type,
+                        &expected, &PyList_Type, &tensors, &shapes_obj, &PyList_Type, &views,
+                        &facts_obj)) {
     return nullptr;
   }
-  int64_t n_shapes = 0, n_facts = 0;
-  int64_t *want_data = nullptr, *facts = nullptr;
-  if (!int64_data(shapes_obj, "unchanged: shapes", &want_data, &n_shapes) ||
+  int64_t n_counts = 0, n_shapes = 0, n_facts = 0;
+  int64_t *counts = nullptr, *want = nullptr, *facts = nullptr;
+  if (!int64_data(counts_obj, "unchanged: counts", &counts, &n_counts) ||
+      !int64_data(shapes_obj, "unchanged: shapes", &want, &n_shapes) ||
       !int64_data(facts_obj, "unchanged: facts", &facts, &n_facts)) {
     return nullptr;
   }
-  const int64_t* want = want_data;
-  // Both loops are bound by memory latency (one small dict, one TensorImpl per
-  // parameter): the objects a few iterations ahead are prefetched (see flat_check).
-  constexpr Py_ssize_t kAhead = 16;
-  Py_ssize_t at = 0;
   const Py_ssize_t n = PyList_GET_SIZE(containers);
-  for (Py_ssize_t c = 0; c < n; ++c) {
-    if (c + 2 * kAhead < n) __builtin_prefetch(PyList_GET_ITEM(containers, c + 2 * kAhead));
-    if (c + kAhead < n) {
-      PyObject* ahead = PyList_GET_ITEM(containers, c + kAhead);
-      if (PyDict_CheckExact(ahead)) __builtin_prefetch(((PyDictObject*)ahead)->ma_keys);
-    }
-    if (!same_items(PyList_GET_ITEM(containers, c), expected, &at)) Py_RETURN_FALSE;
+  if (n_counts != n) {
+    PyErr_SetString(PyExc_ValueError, "unchanged: counts must have one entry per container");
+    return nullptr;
   }
-  if (at != PyList_GET_SIZE(expected)) Py_RETURN_FALSE;
-  const int64_t* const want_end = want + n_shapes;
+  // Where each container's items start in `expected`.
+  std::vector<Py_ssize_t> first(static_cast<size_t>(n) + 1, 0);
+  for (Py_ssize_t c = 0; c < n; ++c) first[c + 1] = first[c] + counts[c];
+  if (first[n] != PyList_GET_SIZE(expected)) Py_RETURN_FALSE;
+  PyObject** boxes = reinterpret_cast<PyListObject*>(containers)->ob_item;
+  PyObject* const* items = reinterpret_cast<PyListObject*>(expected)->ob_item;
+  const bool same_containers = check_all(
+      n,
+      [&](int64_t c) {
+        PyObject* ahead = boxes[c];
+        __builtin_prefetch(ahead);
+        if (PyDict_CheckExact(ahead)) __builtin_prefetch(((PyDictObject*)ahead)->ma_keys);
+      },
+      [&](int64_t c) {
+        // Exact dicts and lists only: a subclass's methods may be Python code.
+        PyObject* box = boxes[c];
+        if (!PyDict_CheckExact(box) && !PyList_CheckExact(box)) return Verdict::kOnCaller;
+        return same_items_at(box, items + first[c], counts[c]) ? Verdict::kSame
+                                                               : Verdict::kDifferent;
+      },
+      [&](int64_t c) { return same_items_at(boxes[c], items + first[c], counts[c]); });
+  if (!same_containers) Py_RETURN_FALSE;
+  // The layouts of the parameters: where each record starts, then the comparisons.
   const Py_ssize_t m = PyList_GET_SIZE(tensors);
+  const int64_t* const want_end = want + n_shapes;
+  std::vector<const int64_t*> starts(static_cast<size_t>(m));
+  const int64_t* w = want;
   for (Py_ssize_t j = 0; j < m; ++j) {
-    if (j + 2 * kAhead < m) __builtin_prefetch(PyList_GET_ITEM(tensors, j + 2 * kAhead));
-    if (j + kAhead < m) {
-      PyObject* ahead = PyList_GET_ITEM(tensors, j + kAhead);
-      if (THPVariable_Check(ahead)) {
-        __builtin_prefetch(THPVariable_Unpack(ahead).unsafeGetTensorImpl());
-      }
-    }
-    if (!same_layout(PyList_GET_ITEM(tensors, j), &want, want_end)) Py_RETURN_FALSE;
+    if (want_end - w < 4) Py_RETURN_FALSE;
+    starts[static_cast<size_t>(j)] = w;
+    w += 4 + 2 * w[3];
   }
-  if (want != want_end) Py_RETURN_FALSE;
+  if (w != want_end) Py_RETURN_FALSE;
+  PyObject** params = reinterpret_cast<PyListObject*>(tensors)->ob_item;
+  const bool same_layouts = check_all(
+      m,
+      [&](int64_t j) {
+        __builtin_prefetch(params[j]);
+        if (j + 8 < m) __builtin_prefetch(params[j + 8]);
+        prefetch_impl_of(params[j]);
+      },
+      [&](int64_t j) {
+        return verdict_of(params[j], [&](const c10::TensorImpl& impl) {
+          const int64_t* at = starts[static_cast<size_t>(j)];
+          return same_layout_of(impl, &at, want_end);
+        });
+      },
+      [&](int64_t j) {
+        const c10::TensorImpl* impl = impl_of(params[j]);
+        const int64_t* at = starts[static_cast<size_t>(j)];
+        return impl != nullptr && same_layout_of(*impl, &at, want_end);
+      });
+  if (!same_layouts) Py_RETURN_FALSE;
   if (!same_views(views, facts, facts + n_facts)) Py_RETURN_FALSE;
   Py_RETURN_TRUE;
 }
@@ -438,6 +544,7 @@ PyObject* flat_bucket(PyObject*, PyObject* args) {
       THPVariable_Unpack(exp_avg), THPVariable_Unpack(exp_avg_sq), optional_tensor(max_sq),
       THPVariable_Unpack(steps), THPVariable_Unpack(slots), optional_tensor(master));
   for (const at::Tensor& view : fb->views) {  // Note [Exact views]
+    fb->view_fact_starts.push_back(static_cast<int64_t>(fb->view_facts.size()));
     append_view(view, fb->view_facts);
     append_layout_of(view, fb->view_facts);
   }
@@ -480,13 +587,17 @@ PyObject* flat_check(PyObject*, PyObject* args) {
     Py_XDECREF(inactive);
     return nullptr;
   }
-  bool current = true;
-  const int64_t* facts = fb->view_facts.data();
+  // Bound by memory latency: each parameter is a chain of separately allocated objects
+  // (its TensorImpl, its autograd meta holding `grad`, its storage; the view's TensorImpl
+  // and version counter). The chains are followed on all of torch's threads, reading C++
+  // objects only, with the heads prefetched a few parameters ahead and their second links
+  // a little less ahead, so that many misses are in flight at once; the Python lists are
+  // made afterwards from the per-parameter results.
+  enum : uint8_t { kFine = 0, kBroken = 1, kInactive = 2 };
+  std::vector<uint8_t> status(static_cast<size_t>(n), kFine);
+  std::atomic<bool> current{true};
+  const int64_t* const facts = fb->view_facts.data();
   const int64_t* const facts_end = facts + fb->view_facts.size();
-  // The loop is bound by memory latency: each parameter is a chain of separately
-  // allocated objects (its TensorImpl, its autograd meta holding `grad`, its storage; the
-  // view's TensorImpl and version counter). Prefetching the heads of the chains a few
-  // parameters ahead, and their second links a little less ahead, overlaps the misses.
   constexpr int64_t kAhead = 16;
   auto prefetch_heads = [&](int64_t j) {
     __builtin_prefetch(fb->owners[j].unsafeGetTensorImpl());
@@ -497,39 +608,42 @@ PyObject* flat_check(PyObject*, PyObject* args) {
     __builtin_prefetch(p->autograd_meta());
     if (p->has_storage()) __builtin_prefetch(p->storage().unsafeGetStorageImpl());
   };
-  for (int64_t j = 0; j < std::min(n, 2 * kAhead); ++j) prefetch_heads(j);
-  for (int64_t j = 0; j < std::min(n, kAhead); ++j) prefetch_links(j);
-  for (int64_t i = 0; i < n; ++i) {
-    if (i + 2 * kAhead < n) prefetch_heads(i + 2 * kAhead);
-    if (i + kAhead < n) prefetch_links(i + kAhead);
-    const at::Tensor& view = fb->views[i];
-    // TensorImpl::grad, not Tensor::grad: the latter asks autograd whether the tensor
-    // is a leaf (for a warning), a second pointer chase per parameter.
-    const at::Tensor& grad = fb->owners[i].unsafeGetTensorImpl()->grad();
-    current = current && ruda::flat_param_current(*fb, static_cast<size_t>(i));
-    PyObject* into = nullptr;
-    // Note [Exact views]: the view still addresses its slice with its layout (a failed
-    // comparison leaves `facts` where it was: the remaining views are then skipped).
-    const int64_t* at = facts;
-    const bool same = same_view_impl(*view.unsafeGetTensorImpl(), &at, facts_end);
-    facts = same ? at : skip_view(facts, facts_end);
-    if (!same || !grad.defined() || grad.unsafeGetTensorImpl() != view.unsafeGetTensorImpl()) {
-      into = broken;
-    } else if (static_cast<int64_t>(view._version()) == clean[i]) {
-      into = inactive;
-    }
-    if (into != nullptr) {
-      PyObject* index = PyLong_FromLongLong(i);
-      if (index == nullptr || PyList_Append(into, index) < 0) {
-        Py_XDECREF(index);
-        Py_DECREF(broken);
-        Py_DECREF(inactive);
-        return nullptr;
+  at::parallel_for(0, n, 2048, [&](int64_t begin, int64_t end) {
+    for (int64_t j = begin; j < std::min(end, begin + 2 * kAhead); ++j) prefetch_heads(j);
+    for (int64_t j = begin; j < std::min(end, begin + kAhead); ++j) prefetch_links(j);
+    bool moved = false;
+    for (int64_t i = begin; i < end; ++i) {
+      if (i + 2 * kAhead < end) prefetch_heads(i + 2 * kAhead);
+      if (i + kAhead < end) prefetch_links(i + kAhead);
+      const at::Tensor& view = fb->views[i];
+      // TensorImpl::grad, not Tensor::grad: the latter asks autograd whether the tensor
+      // is a leaf (for a warning), a second pointer chase per parameter.
+      const at::Tensor& grad = fb->owners[i].unsafeGetTensorImpl()->grad();
+      moved = moved || !ruda::flat_param_current(*fb, static_cast<size_t>(i));
+      // Note [Exact views]: the view still addresses its slice with its layout.
+      const int64_t* at = facts + fb->view_fact_starts[static_cast<size_t>(i)];
+      if (!same_view_impl(*view.unsafeGetTensorImpl(), &at, facts_end) || !grad.defined() ||
+          grad.unsafeGetTensorImpl() != view.unsafeGetTensorImpl()) {
+        status[static_cast<size_t>(i)] = kBroken;
+      } else if (static_cast<int64_t>(view._version()) == clean[i]) {
+        status[static_cast<size_t>(i)] = kInactive;
       }
-      Py_DECREF(index);
     }
+    if (moved) current.store(false, std::memory_order_relaxed);
+  });
+  for (int64_t i = 0; i < n; ++i) {
+    const uint8_t s = status[static_cast<size_t>(i)];
+    if (s == kFine) continue;
+    PyObject* index = PyLong_FromLongLong(i);
+    if (index == nullptr || PyList_Append(s == kBroken ? broken : inactive, index) < 0) {
+      Py_XDECREF(index);
+      Py_DECREF(broken);
+      Py_DECREF(inactive);
+      return nullptr;
+    }
+    Py_DECREF(index);
   }
-  return Py_BuildValue("(ONN)", current ? Py_True : Py_False, broken, inactive);
+  return Py_BuildValue("(ONN)", current.load() ? Py_True : Py_False, broken, inactive);
   END_HANDLE_TH_ERRORS
 }
 
@@ -677,7 +791,7 @@ namespace {
 PyMethodDef kMethods[] = {
     {"grads_of", grads_of, METH_O, "grads_of(params) -> (grads, missing, mixed, relayout)"},
     {"unchanged", unchanged, METH_VARARGS,
-     "unchanged(containers, expected, tensors, shapes, views, facts) -> bool "
+     "unchanged(containers, counts, expected, tensors, shapes, views, facts) -> bool "
      "(Note [Fused state coherence])"},
     {"view_record", view_record, METH_O, "view_record(tensors) -> list[int] (Note [Exact views])"},
     {"set_cpu_kernels", ruda::set_cpu_kernels, METH_O,

@@ -64,9 +64,10 @@ strides of every fused parameter, and what every state view in the entries is (i
 storage, offset, dtype, sizes and strides, Note [Exact views] in csrc/module.cpp:
 ``view.data = t`` or ``view.t_()`` keeps the view object but changes what it shows).
 Before every step,
-``FusedPlan.is_current`` compares all of it: a few Python checks per param group and one
-loop over pointers in C (``_C.unchanged``), a fraction of a millisecond for 20,000
-parameters. Any difference, whatever made it (``load_state_dict`` of ours, torch's or
+``FusedPlan.is_current`` compares all of it: a few Python checks per param group and
+loops over pointers in C on all of torch's threads (``_C.unchanged``, Note [Checks on all
+threads] in csrc/module.cpp), a few milliseconds for 20,000 parameters and their 60,000
+state views, bound by the memory latency of reading each object once. Any difference, whatever made it (``load_state_dict`` of ours, torch's or
 ZeroRedundancyOptimizer's, ``state.clear()``, ``opt.state = defaultdict(dict)``,
 ``opt.state[p] = {...}``, ``del opt.state[p]``, a replaced state tensor, a parameter
 replaced, added or removed in a group, ``p.data = ...`` with another shape, a toggled
@@ -622,21 +623,25 @@ class FusedPlan:
         self._state = opt.state
         containers = [opt.state]
         expected = [x for item in opt.state.items() for x in item]
+        counts = [len(expected)]  # items of `expected` per container
         tensors, views = [], []
         for _, group, buckets in self.groups:
             containers.append(group["params"])
             expected.extend(group["params"])
+            counts.append(len(group["params"]))
             for b in buckets:
                 tensors.extend(b.params)
                 for entry, mine in zip(b.entries, b.views, strict=True):
                     if entry is not None:
                         containers.append(entry)
                         expected.extend(x for item in entry.items() for x in item)
+                        counts.append(2 * len(entry))
                         views.extend(v for v in mine.values() if type(v) is torch.Tensor)
         self._params_lists = [g["params"] for _, g, _ in self.groups]
         shapes = torch.tensor(_C.layout_record(tensors), dtype=torch.int64)
         facts = torch.tensor(_C.view_record(views), dtype=torch.int64)
-        self._check = (containers, expected, tensors, shapes, views, facts)
+        counts = torch.tensor(counts, dtype=torch.int64)
+        self._check = (containers, counts, expected, tensors, shapes, views, facts)
 
     def is_current(self, opt) -> bool:
         groups = opt.param_groups

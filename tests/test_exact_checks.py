@@ -392,3 +392,57 @@ def test_float64_clip_coefficient_is_float64():
             m, m_ref = ours.state[p]["exp_avg"], theirs.state[q]["exp_avg"]
             tol = 1e-13 if not fused else 1e-7  # the fused kernel reads it as FP32
             torch.testing.assert_close(m, m_ref, rtol=tol, atol=0)
+
+
+class _TaggedParameter(nn.Parameter):
+    """A parameter subclass: the checks' worker threads leave it to the calling thread
+    (Note [Checks on all threads] in csrc/module.cpp)."""
+
+
+@pytest.mark.parametrize("flat", [False, True], ids=["gathered", "flat"])
+def test_checks_on_all_threads_see_every_change_among_many_parameters(flat):
+    """More parameters than one thread's share of the checks (2,048), some of a Parameter
+    subclass (without flat_grads): a state view replaced through ``.data``, a state view transposed in place
+    and a subclass parameter's new layout, each far into the list, are all seen; the
+    steps match torch.optim.AdamW doing the same."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        torch.manual_seed(0)
+        shapes = [(3, 3) if i % 5 == 0 else (7,) for i in range(5000)]
+        values = [torch.randn(s) for s in shapes]
+        # (flat_grads takes plain parameters only)
+        tagged = nn.Parameter if flat else _TaggedParameter
+        ours = [(tagged if i % 7 == 0 else nn.Parameter)(v.clone())
+                for i, v in enumerate(values)]  # fmt: skip
+        ref = [nn.Parameter(v.clone()) for v in values]
+        opt = ruda_torch.AdamW(ours, **HP, fused_step=True, flat_grads=flat)
+        topt = torch.optim.AdamW(ref, **HP, foreach=False)
+
+        def step(k):
+            for p, q in zip(ours, ref, strict=True):
+                g = torch.randn(p.shape, generator=torch.Generator().manual_seed(k))
+                if flat:
+                    p.grad.copy_(g)
+                else:
+                    p.grad = g
+                q.grad = g.clone()
+            opt.step()
+            topt.step()
+
+        step(0)
+        for i in (4001, 4995):  # replaced through .data, transposed in place (square)
+            opt.state[ours[i]]["exp_avg"].data = torch.full_like(ours[i], 0.25)
+            topt.state[ref[i]]["exp_avg"].data = torch.full_like(ref[i], 0.25)
+        opt.state[ours[4995]]["exp_avg_sq"].t_()
+        topt.state[ref[4995]]["exp_avg_sq"].t_()
+        step(1)
+        assert type(ours[4998]) is tagged and ours[4998].shape == (7,)
+        with torch.no_grad():  # a subclass parameter's layout changes: the plan follows
+            ours[4970].data = ours[4970].data.t().contiguous().t()
+            ref[4970].data = ref[4970].data.t().contiguous().t()
+        step(2)
+        for p, q in zip(ours, ref, strict=True):
+            torch.testing.assert_close(p.detach(), q.detach(), rtol=2e-6, atol=1e-7)
+    finally:
+        torch.set_num_threads(threads)
