@@ -215,12 +215,13 @@ format: $(LINT_STAMP)
 # repository so that they import the package installed in $(CPU_VENV).
 CPU_VENV ?= .venv-cpu
 CPU_TORCH ?= torch==2.13.0
-# The kernels, the optimizer (coherence, dtypes, compile) and the distributed setups on the
-# older torch as well (FSDP1, FSDP2, DDP and ZeRO on gloo).
+# The kernels, the optimizer (coherence, dtypes, compile, exact checks, low-precision states)
+# and the distributed setups on the older torch as well (FSDP1, FSDP2, DDP and ZeRO on gloo).
 CPU_TESTS ?= tests/test_fixtures.py tests/test_stats.py tests/test_ops.py \
 	tests/test_param_dtypes.py tests/test_optimizer.py tests/test_coherence.py \
 	tests/test_optimizer_stats.py tests/test_optimizer_dtypes.py tests/test_compile.py \
-	tests/test_distributed.py tests/test_flat_grads.py tests/test_cpu_isa.py
+	tests/test_distributed.py tests/test_flat_grads.py tests/test_cpu_isa.py \
+	tests/test_exact_checks.py tests/test_state_precision.py
 
 $(CPU_VENV)/.stamp-deps:
 	$(PYTHON) -m venv $(CPU_VENV)
