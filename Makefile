@@ -52,7 +52,7 @@ BUILD_SWITCHES := RUDA_TORCH_CUDA=$(RUDA_TORCH_CUDA) CUDA_HOME=$(CUDA_HOME) \
 	TORCH_CUDA_ARCH_LIST=$(TORCH_CUDA_ARCH_LIST) RUDA_TORCH_CPU_ISA=$(RUDA_TORCH_CPU_ISA)
 
 .DEFAULT_GOAL := help
-.PHONY: help deps build test bench-states test-integrations test-cpu-torch sdist test-packaging test-cuda-sim demo bench regressions gpu-check check format versions clean distclean FORCE
+.PHONY: help deps build test cpu-venv bench-states test-integrations test-cpu-torch sdist test-packaging test-cuda-sim demo bench regressions gpu-check check format versions clean distclean FORCE
 
 help:
 	@echo "make test       set up .venv, build the extension, run the test suite"
@@ -225,8 +225,13 @@ CPU_TESTS ?= tests/test_fixtures.py tests/test_stats.py tests/test_ops.py \
 
 $(CPU_VENV)/.stamp-deps:
 	$(PYTHON) -m venv $(CPU_VENV)
-	$(CPU_VENV)/bin/python -m pip install $(CPU_TORCH) numpy pytest ninja setuptools wheel
+	$(CPU_VENV)/bin/python -m pip install $(CPU_TORCH) numpy pytest pytest-xdist ninja setuptools \
+		wheel
 	@touch $@
+
+# The CPU torch's environment alone: it does not depend on .venv, so .ci/run sets it up in
+# the background while the main build and tests run.
+cpu-venv: $(CPU_VENV)/.stamp-deps
 
 # The sdist, built as maintainers do (`python -m build`, isolated: it needs no torch), once
 # for the files it holds.
@@ -254,7 +259,7 @@ test-cpu-torch: $(CPU_WHEEL_STAMP)
 	cd build && ../$(CPU_VENV)/bin/python -c "import torch, ruda_torch; \
 		print('torch', torch.__version__, 'backends', ruda_torch.compiled_backends()); \
 		assert ruda_torch.compiled_backends() == ('cpu',)"
-	cd build && ../$(CPU_VENV)/bin/python -m pytest -q -p no:cacheprovider \
+	cd build && ../$(CPU_VENV)/bin/python -m pytest -q -p no:cacheprovider -n $(PYTEST_WORKERS) \
 		$(addprefix ../,$(CPU_TESTS))
 
 # Note [CUDA emulation] (csrc/cuda_sim/cuda_sim.h): the CUDA kernels built as C++ for an
