@@ -250,13 +250,33 @@ void prefetch_impl_of(PyObject* obj) {
   }
 }
 
-// check_all's check for a tensor object: compare(impl) where the worker may look into the
-// object, else on the calling thread.
+// Whether compare(impl, record) holds for the TensorImpl of every tensor object of `list`,
+// `record` pointing at starts[j] for item j: on all threads, tensor subclasses on the
+// calling thread (check_all).
 template <typename Compare>
-Verdict verdict_of(PyObject* obj, Compare compare) {
-  const c10::TensorImpl* impl = exact_impl_of(obj);
-  if (impl == nullptr) return Verdict::kOnCaller;
-  return compare(*impl) ? Verdict::kSame : Verdict::kDifferent;
+bool check_tensors(PyObject* list, const std::vector<const int64_t*>& starts, Compare compare) {
+  const int64_t m = PyList_GET_SIZE(list);
+  PyObject** items = reinterpret_cast<PyListObject*>(list)->ob_item;
+  auto holds = [&](const c10::TensorImpl& impl, int64_t j) {
+    const int64_t* at = starts[static_cast<size_t>(j)];
+    return compare(impl, &at);
+  };
+  return check_all(
+      m,
+      [&](int64_t j) {
+        __builtin_prefetch(items[j]);
+        if (j + 8 < m) __builtin_prefetch(items[j + 8]);  // the object before its TensorImpl
+        prefetch_impl_of(items[j]);
+      },
+      [&](int64_t j) {
+        const c10::TensorImpl* impl = exact_impl_of(items[j]);
+        if (impl == nullptr) return Verdict::kOnCaller;
+        return holds(*impl, j) ? Verdict::kSame : Verdict::kDifferent;
+      },
+      [&](int64_t j) {
+        const c10::TensorImpl* impl = impl_of(items[j]);
+        return impl != nullptr && holds(*impl, j);
+      });
 }
 
 // Whether every tensor of `tensors` is still the view view_record() recorded in *want.
@@ -270,25 +290,9 @@ bool same_views(PyObject* tensors, const int64_t* want, const int64_t* end) {
     w = skip_view(w, end);
   }
   if (w != end) return false;
-  PyObject** items = reinterpret_cast<PyListObject*>(tensors)->ob_item;
-  return check_all(
-      m,
-      [&](int64_t j) {
-        __builtin_prefetch(items[j]);
-        if (j + 8 < m) __builtin_prefetch(items[j + 8]);  // the object before its TensorImpl
-        prefetch_impl_of(items[j]);
-      },
-      [&](int64_t j) {
-        return verdict_of(items[j], [&](const c10::TensorImpl& impl) {
-          const int64_t* at = starts[static_cast<size_t>(j)];
-          return same_view_impl(impl, &at, end);
-        });
-      },
-      [&](int64_t j) {
-        const c10::TensorImpl* impl = impl_of(items[j]);
-        const int64_t* at = starts[static_cast<size_t>(j)];
-        return impl != nullptr && same_view_impl(*impl, &at, end);
-      });
+  return check_tensors(tensors, starts, [&](const c10::TensorImpl& impl, const int64_t** at) {
+    return same_view_impl(impl, at, end);
+  });
 }
 
 // Whether container `actual` (a dict or a list) still holds exactly `count` objects,
@@ -374,24 +378,9 @@ PyObject* unchanged(PyObject*, PyObject* args) {
     w += 4 + 2 * w[3];
   }
   if (w != want_end) Py_RETURN_FALSE;
-  PyObject** params = reinterpret_cast<PyListObject*>(tensors)->ob_item;
-  const bool same_layouts = check_all(
-      m,
-      [&](int64_t j) {
-        __builtin_prefetch(params[j]);
-        if (j + 8 < m) __builtin_prefetch(params[j + 8]);
-        prefetch_impl_of(params[j]);
-      },
-      [&](int64_t j) {
-        return verdict_of(params[j], [&](const c10::TensorImpl& impl) {
-          const int64_t* at = starts[static_cast<size_t>(j)];
-          return same_layout_of(impl, &at, want_end);
-        });
-      },
-      [&](int64_t j) {
-        const c10::TensorImpl* impl = impl_of(params[j]);
-        const int64_t* at = starts[static_cast<size_t>(j)];
-        return impl != nullptr && same_layout_of(*impl, &at, want_end);
+  const bool same_layouts =
+      check_tensors(tensors, starts, [&](const c10::TensorImpl& impl, const int64_t** at) {
+        return same_layout_of(impl, at, want_end);
       });
   if (!same_layouts) Py_RETURN_FALSE;
   if (!same_views(views, facts, facts + n_facts)) Py_RETURN_FALSE;

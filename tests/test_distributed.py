@@ -735,47 +735,53 @@ def scenario_example(rank: int, workdir: str, flags: list[str]) -> None:
         assert text == "", text
 
 
+def zero_resume(rank: int, optimizer_class, **extra):
+    """ZeroRedundancyOptimizer around ``optimizer_class``: SAVE_AFTER steps, a
+    consolidated checkpoint, the steps after it; then the checkpoint loaded into the
+    optimizer that went past it and the same steps again. Returns (parameters of the
+    uninterrupted run, of the resumed run, the ZeRO optimizer). Every rank sees the global
+    batch (replicated gradients, no DDP)."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    model = make_model()
+    opt = ZeroRedundancyOptimizer(
+        model.parameters(), optimizer_class=optimizer_class, **HP, **extra
+    )
+
+    def train(steps):
+        for step in steps:
+            opt.zero_grad(set_to_none=True)
+            x, y = global_batch(step)
+            loss_fn(model(x), y).backward()
+            opt.step()
+
+    train(range(SAVE_AFTER))
+    opt.consolidate_state_dict(to=0)
+    box = [copy.deepcopy(opt.state_dict()) if rank == 0 else None]  # not live tensors
+    dist.broadcast_object_list(box, src=0)
+    params = [p.detach().clone() for p in model.parameters()]
+    train(range(SAVE_AFTER, STEPS))  # past the checkpoint
+    straight = [p.detach().clone() for p in model.parameters()]
+    with torch.no_grad():
+        for p, saved in zip(model.parameters(), params, strict=True):
+            p.copy_(saved)
+    opt.load_state_dict(box[0])
+    train(range(SAVE_AFTER, STEPS))  # again, from the loaded checkpoint
+    return straight, [p.detach().clone() for p in model.parameters()], opt
+
+
 def scenario_zero_load_after_steps(rank: int, workdir: str, fused: bool) -> None:
     """ZeroRedundancyOptimizer around ruda_torch.AdamW: its load_state_dict assigns
     ``optim.state[param] = ...`` into the local optimizer (and moves 0-dim tensors to the
     CPU). Load a checkpoint taken after SAVE_AFTER steps into an optimizer that has
     stepped past it, then continue: bit-identical to the run that never went past the
     checkpoint, and within Note [Optimizer-level tolerance] of torch.optim.AdamW doing
-    the same. Every rank sees the global batch (replicated gradients, no DDP)."""
-    from torch.distributed.optim import ZeroRedundancyOptimizer
-
-    def run(optimizer_class, **extra):
-        model = make_model()
-        opt = ZeroRedundancyOptimizer(
-            model.parameters(), optimizer_class=optimizer_class, **HP, **extra
-        )
-
-        def train(steps):
-            for step in steps:
-                opt.zero_grad(set_to_none=True)
-                x, y = global_batch(step)
-                loss_fn(model(x), y).backward()
-                opt.step()
-
-        train(range(SAVE_AFTER))
-        opt.consolidate_state_dict(to=0)
-        box = [copy.deepcopy(opt.state_dict()) if rank == 0 else None]  # not live tensors
-        dist.broadcast_object_list(box, src=0)
-        params = [p.detach().clone() for p in model.parameters()]
-        train(range(SAVE_AFTER, STEPS))  # past the checkpoint
-        straight = [p.detach().clone() for p in model.parameters()]
-        with torch.no_grad():
-            for p, saved in zip(model.parameters(), params, strict=True):
-                p.copy_(saved)
-        opt.load_state_dict(box[0])
-        train(range(SAVE_AFTER, STEPS))  # again, from the loaded checkpoint
-        return straight, [p.detach().clone() for p in model.parameters()]
-
+    the same (zero_resume)."""
     # deepcopy shares the process group (a handle to communicators), and keeps it.
     grouped = ruda_torch.AdamW(make_model().parameters(), process_group=dist.group.WORLD)
     assert copy.deepcopy(grouped).process_group is dist.group.WORLD
-    ours_straight, ours_resumed = run(ruda_torch.AdamW, fused_step=fused)
-    torch_straight, torch_resumed = run(torch.optim.AdamW, foreach=False)
+    ours_straight, ours_resumed, _ = zero_resume(rank, ruda_torch.AdamW, fused_step=fused)
+    torch_straight, torch_resumed, _ = zero_resume(rank, torch.optim.AdamW, foreach=False)
     assert_same_bits(ours_resumed, ours_straight, "ZeRO: resumed vs uninterrupted")
     assert_same_bits(torch_resumed, torch_straight, "torch ZeRO: resumed vs uninterrupted")
     for a, b in zip(ours_resumed, torch_resumed, strict=True):

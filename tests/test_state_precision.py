@@ -490,46 +490,13 @@ def scenario_low_precision_zero(rank: int, workdir: str) -> None:
     """ZeroRedundancyOptimizer around ruda_torch.AdamW with BF16 moments: each rank's
     partition keeps BF16 state, and the consolidated checkpoint loaded into an optimizer
     that stepped past it resumes bit for bit."""
-    import copy
+    from test_distributed import assert_same_bits, zero_resume
 
-    import torch.distributed as dist
-    from test_distributed import (
-        HP,
-        SAVE_AFTER,
-        STEPS,
-        assert_same_bits,
-        global_batch,
-        loss_fn,
-        make_model,
-    )
-    from torch.distributed.optim import ZeroRedundancyOptimizer
-
-    model = make_model()
-    opt = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=ruda_torch.AdamW, **HP,
-                                  fused_step=True, state_precision="bf16")  # fmt: skip
-
-    def train(steps):
-        for step in steps:
-            opt.zero_grad(set_to_none=True)
-            x, y = global_batch(step)
-            loss_fn(model(x), y).backward()
-            opt.step()
-
-    train(range(SAVE_AFTER))
+    straight, resumed, opt = zero_resume(rank, ruda_torch.AdamW, fused_step=True,
+                                         state_precision="bf16")  # fmt: skip
     local = opt.optim.state
     assert local and all(st["exp_avg"].dtype == torch.bfloat16 for st in local.values())
-    opt.consolidate_state_dict(to=0)
-    box = [copy.deepcopy(opt.state_dict()) if rank == 0 else None]
-    dist.broadcast_object_list(box, src=0)
-    saved = [p.detach().clone() for p in model.parameters()]
-    train(range(SAVE_AFTER, STEPS))
-    straight = [p.detach().clone() for p in model.parameters()]
-    with torch.no_grad():
-        for p, s in zip(model.parameters(), saved, strict=True):
-            p.copy_(s)
-    opt.load_state_dict(box[0])
-    train(range(SAVE_AFTER, STEPS))
-    assert_same_bits([p.detach() for p in model.parameters()], straight, "ZeRO resume")
+    assert_same_bits(resumed, straight, "ZeRO resume")
 
 
 def test_bf16_moments_under_zero_resume_bit_for_bit(tmp_path):
