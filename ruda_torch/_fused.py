@@ -242,17 +242,18 @@ class Bucket:
             return flat.view(t.shape)
         return flat.as_strided(t.shape, t.stride())
 
-    def _grad_view(self, i: int) -> torch.Tensor:
-        """Slot i of the flat gradient buffer as a tensor of its own (not a view in
-        autograd's sense, so that it has its own version counter), laid out like the
-        kernel steps the parameter: its strides when dense, contiguous when staged."""
+    def _own_slice(self, buf: torch.Tensor, i: int) -> torch.Tensor:
+        """Slot i of a flat buffer as a tensor of its own (not a view in autograd's sense),
+        laid out like the kernel steps the parameter: its strides when dense, contiguous
+        when staged. What the state and the flat gradients hold (Note [Tensors of their
+        own] in csrc/module.cpp)."""
         t = self.locals[i]
-        view = torch.empty(0, dtype=t.dtype, device=t.device)
-        storage, offset = self.grad_flat.untyped_storage(), self.offsets[i]
-        if i in self.staged:
-            view.set_(storage, offset, t.shape)  # contiguous
-        else:
-            view.set_(storage, offset, t.shape, t.stride())
+        stride = None if i in self.staged else t.stride()
+        return _own(buf, self.offsets[i], t.shape, stride)
+
+    def _grad_view(self, i: int) -> torch.Tensor:
+        """Slot i of the flat gradient buffer (_own_slice: its own version counter too)."""
+        view = self._own_slice(self.grad_flat, i)
         self.grad_facts[i] = _C.view_record([view])
         return view
 
@@ -379,14 +380,19 @@ class Bucket:
             self._slice(self.master, i).copy_(local(self.params[i]) if src is None else local(src))
         self.zeroed[i] = False
 
-    def install(self, i: int, entry, with_max: bool) -> None:
-        """Put slot i's views into ``entry`` (a state dict entry, mutated in place)."""
+    def own_views(self, i: int, with_max: bool) -> dict:
+        """The state values of slot i, as install() puts them into an entry: tensors of
+        their own over the slot (Note [Tensors of their own] in csrc/module.cpp)."""
         p = self.params[i]
-        views = {"step": self.steps[i]}
+        views = {"step": _own(self.steps, i, ())}
         for key in (*STATE_KEYS, MASTER_KEY):
             buf = self._buffer(key)
             if buf is not None and (key != "max_exp_avg_sq" or with_max):
-                views[key] = _wrap_like(self._slice(buf, i), p)
+                views[key] = _wrap_like(self._own_slice(buf, i), p)
+        return views
+
+    def install(self, i: int, entry, views: dict) -> None:
+        """Put own_views(i) into ``entry`` (a state dict entry, mutated in place)."""
         entry.update(views)
         if self.views[i] is None:
             self.n_with_state += 1
@@ -402,11 +408,11 @@ class Bucket:
             self.n_with_state -= 1
         self.views[i] = self.entries[i] = self.facts[i] = None
 
-    def init_fresh(self, i: int, state, amsgrad: bool) -> None:
-        """Fresh zero state for params[i], at its first step with a gradient."""
-        if not self.zeroed[i] or self.master is not None:  # a removed entry's, or a master
+    def clear_fresh(self, i: int) -> None:
+        """Slot i := fresh zero state (a removed entry's values or a master may be there),
+        for params[i]'s first step with a gradient; install() follows."""
+        if not self.zeroed[i] or self.master is not None:
             self.write_slot(i, 0.0, {})
-        self.install(i, state[self.params[i]], amsgrad)
         self.zeroed[i] = False
 
     def slots(self, active: list[int]) -> torch.Tensor:
@@ -453,6 +459,17 @@ def is_dense(t: torch.Tensor) -> bool:
             return False
         expected *= size
     return True
+
+
+def _own(
+    buf: torch.Tensor, offset: int, shape: torch.Size | tuple, stride: tuple | None = None
+) -> torch.Tensor:
+    """A tensor of its own over ``buf``'s memory from element ``offset`` (Note [Tensors of
+    their own] in csrc/module.cpp): contiguous when ``stride`` is None."""
+    t = torch.empty(0, dtype=buf.dtype, device=buf.device)
+    if stride is None:
+        return t.set_(buf.untyped_storage(), buf.storage_offset() + offset, shape)
+    return t.set_(buf.untyped_storage(), buf.storage_offset() + offset, shape, stride)
 
 
 def _wrap_like(local_view: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
@@ -766,9 +783,13 @@ def derive(opt, previous: FusedPlan | None, needs_global: bool) -> FusedPlan:
         staged.append((b, i, p, entry, step, values, with_max))
     for b, i in forget:
         b.forget(i)
-    for b, i, p, entry, step, values, with_max in staged:
+    for b, i, _, _, step, values, _ in staged:
         b.write_slot(i, step, values)
-        b.install(i, entry, with_max)
+    # All new tensors first, one after another, then into the entries (whose old values
+    # are freed there): Note [Tensors of their own] in csrc/module.cpp.
+    made = [b.own_views(i, with_max) for b, i, _, _, _, _, with_max in staged]
+    for (b, i, p, entry, _, _, _), views in zip(staged, made, strict=True):
+        b.install(i, entry, views)
         if state.get(p) is not entry:
             state[p] = entry
     plan = FusedPlan(groups)

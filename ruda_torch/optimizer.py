@@ -601,8 +601,11 @@ class AdamW(Optimizer):
                 self._run(ops.check_adamw_scaled, c, grad_scale, found_inf, None, None, per_device)
 
         # Phase 2: state for parameters that are active for the first time.
-        for b, i, amsgrad in fresh:
-            b.init_fresh(i, self.state, amsgrad)
+        for b, i, _ in fresh:
+            b.clear_fresh(i)
+        made = [b.own_views(i, amsgrad) for b, i, amsgrad in fresh]  # Bucket.own_views
+        for (b, i, _), views in zip(fresh, made, strict=True):
+            b.install(i, self.state[b.params[i]], views)
         for p in numeric_steps:
             st = self.state[p]
             st["step"] = torch.tensor(

@@ -446,3 +446,46 @@ def test_checks_on_all_threads_see_every_change_among_many_parameters(flat):
             torch.testing.assert_close(p.detach(), q.detach(), rtol=2e-6, atol=1e-7)
     finally:
         torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("flat", [False, True], ids=["gathered", "flat"])
+def test_state_values_are_tensors_of_their_own_as_torchs(flat):
+    """The state values (and the flat gradients) are tensors of their own over the
+    bucket's memory (Note [Tensors of their own] in csrc/module.cpp): no ``_base`` and the
+    layout of torch's, at the first step and after a load; writes through them reach the
+    next step as torch's do."""
+    model = _model()
+    ref = _model()
+    opt = _make("flat" if flat else "ours", model)
+    topt = _make("torch", ref)
+
+    def step(k):
+        for m in (model, ref):
+            x = torch.randn(4, 5, generator=torch.Generator().manual_seed(k))
+            m.zero_grad() if m is ref else opt.zero_grad()
+            m(x).square().sum().backward()
+        opt.step()
+        topt.step()
+
+    def same_kind():
+        for p, q in zip(model.parameters(), ref.parameters(), strict=True):
+            ours, theirs = opt.state[p], topt.state[q]
+            assert ours.keys() == theirs.keys()
+            for key, value in ours.items():
+                assert value._base is None and theirs[key]._base is None, key
+                assert value.shape == theirs[key].shape and value.stride() == theirs[key].stride()
+            if flat:
+                assert p.grad._base is None
+
+    step(0)
+    same_kind()
+    opt.load_state_dict(topt.state_dict())  # every slot adopted from the loaded entries
+    step(1)
+    same_kind()
+    for p, q in zip(model.parameters(), ref.parameters(), strict=True):
+        opt.state[p]["exp_avg"].mul_(0.5)
+        topt.state[q]["exp_avg"].mul_(0.5)
+    step(2)
+    for p, q in zip(model.parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-6, atol=1e-7)
+        torch.testing.assert_close(opt.state[p]["exp_avg"], topt.state[q]["exp_avg"])
