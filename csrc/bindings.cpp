@@ -4,11 +4,13 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <string>
 #include <utility>
 
 #include "grad_stats.h"
 #include "kernels.h"
+#include "quant8.h"
 
 namespace ruda {
 namespace {
@@ -636,6 +638,69 @@ int64_t check_merge_chunks(const at::Tensor& reports, const at::Tensor& out) {
   check_same_device(op, out, "out", reports.device());
   check_no_aliasing(op, {span_of(out, "out")}, {span_of(reports, "reports")});
   return reports.size(0);
+}
+
+namespace {
+
+void check_code8(const char* op, int64_t code) {
+  TORCH_CHECK(code == 0 || code == 1, "ruda_torch.", op,
+              ": code must be 0 (signed: exp_avg) or 1 (unsigned: exp_avg_sq), got ", code);
+}
+
+// codes: contiguous uint8 of n elements; scales: contiguous float32 of one per block.
+void check_codes8(const char* op, const at::Tensor& codes, const at::Tensor& scales, int64_t n,
+                  const at::Device& device) {
+  TORCH_CHECK(codes.scalar_type() == at::kByte && codes.is_contiguous() && codes.numel() == n,
+              "ruda_torch.", op, ": codes must be a contiguous uint8 tensor of ", n,
+              " elements (got ", codes.scalar_type(), " ", shape_str(codes),
+              codes.is_contiguous() ? "" : ", not contiguous", ")");
+  const int64_t blocks = (n + kBlock8 - 1) / kBlock8;
+  TORCH_CHECK(
+      scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.numel() == blocks,
+      "ruda_torch.", op, ": scales must be a contiguous float32 tensor of ", blocks,
+      " elements, one per block of ", kBlock8, " (got ", scales.scalar_type(), " ",
+      shape_str(scales), scales.is_contiguous() ? "" : ", not contiguous", ")");
+  TORCH_CHECK(blocks <= std::numeric_limits<int32_t>::max(), "ruda_torch.", op, ": ", n,
+              " elements are more blocks than one launch takes");
+  check_same_device(op, codes, "codes", device);
+  check_same_device(op, scales, "scales", device);
+}
+
+}  // namespace
+
+Quant8Launch prepare_quantize_8bit(const at::Tensor& x, const at::Tensor& codes,
+                                   const at::Tensor& scales, int64_t code) {
+  const char* op = "quantize_8bit";
+  check_code8(op, code);
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.is_contiguous(), "ruda_torch.", op,
+              ": x must be a contiguous float32 tensor (got ", x.scalar_type(), " ", shape_str(x),
+              x.is_contiguous() ? "" : ", not contiguous", "; pass x.contiguous())");
+  check_codes8(op, codes, scales, x.numel(), x.device());
+  check_no_aliasing(op, {span_of(codes, "codes"), span_of(scales, "scales")}, {span_of(x, "x")});
+  return Quant8Launch{x.data_ptr<float>(),
+                      codes.data_ptr<uint8_t>(),
+                      scales.data_ptr<float>(),
+                      nullptr,
+                      x.numel(),
+                      code};
+}
+
+Quant8Launch prepare_dequantize_8bit(const at::Tensor& codes, const at::Tensor& scales,
+                                     const at::Tensor& out, int64_t code) {
+  const char* op = "dequantize_8bit";
+  check_code8(op, code);
+  TORCH_CHECK(out.scalar_type() == at::kFloat && out.is_contiguous(), "ruda_torch.", op,
+              ": out must be a contiguous float32 tensor (got ", out.scalar_type(), " ",
+              shape_str(out), out.is_contiguous() ? "" : ", not contiguous", ")");
+  check_codes8(op, codes, scales, out.numel(), out.device());
+  check_no_aliasing(op, {span_of(out, "out")},
+                    {span_of(codes, "codes"), span_of(scales, "scales")});
+  return Quant8Launch{nullptr,
+                      const_cast<uint8_t*>(codes.data_ptr<uint8_t>()),
+                      const_cast<float*>(scales.data_ptr<float>()),
+                      out.data_ptr<float>(),
+                      out.numel(),
+                      code};
 }
 
 }  // namespace ruda

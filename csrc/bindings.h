@@ -59,6 +59,13 @@ int64_t check_merge(const at::Tensor& rows, const at::Tensor& out);
 // Returns the number of reports.
 int64_t check_merge_chunks(const at::Tensor& reports, const at::Tensor& out);
 
+// Validates quantize_8bit's / dequantize_8bit's arguments (Note [8-bit moments] in
+// csrc/quant8.h) and fills the launch (data pointers of the given tensors).
+Quant8Launch prepare_quantize_8bit(const at::Tensor& x, const at::Tensor& codes,
+                                   const at::Tensor& scales, int64_t code);
+Quant8Launch prepare_dequantize_8bit(const at::Tensor& codes, const at::Tensor& scales,
+                                     const at::Tensor& out, int64_t code);
+
 DType grad_dtype_of(const at::Tensor& t);
 
 // Note [Flat gradient buckets] (ruda_torch/_fused.py has the Python side)

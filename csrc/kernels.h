@@ -18,10 +18,12 @@ void adamw_cpu(const AdamWLaunch& launch);
 void analyze_gradient_cpu(const StatsLaunch& launch);
 void merge_gradient_stats_cpu(const float* rows, int64_t n_rows, float* out);
 void merge_gradient_stats_chunks_cpu(const float* reports, int64_t n_reports, float* out);
+void quantize_8bit_cpu(const Quant8Launch& launch);
+void dequantize_8bit_cpu(const Quant8Launch& launch);
 
 // What an ISA module hands to `_C` (a capsule named kCpuKernelsCapsule). `abi` guards
 // against a module from another build of the package.
-constexpr int kCpuKernelsAbi = 1;
+constexpr int kCpuKernelsAbi = 2;
 constexpr const char* kCpuKernelsCapsule = "ruda_torch.CpuKernels";
 struct CpuKernels {
   int abi;
@@ -30,6 +32,8 @@ struct CpuKernels {
   void (*analyze_gradient)(const StatsLaunch&);
   void (*merge_gradient_stats)(const float*, int64_t, float*);
   void (*merge_gradient_stats_chunks)(const float*, int64_t, float*);
+  void (*quantize_8bit)(const Quant8Launch&);
+  void (*dequantize_8bit)(const Quant8Launch&);
 };
 
 #ifdef RUDA_TORCH_WITH_CUDA
@@ -39,6 +43,8 @@ void analyze_gradient_cuda(const StatsLaunch& launch, void* stream);
 void merge_gradient_stats_cuda(const float* rows, int64_t n_rows, float* out, void* stream);
 void merge_gradient_stats_chunks_cuda(const float* reports, int64_t n_reports, float* out,
                                       void* stream);
+void quantize_8bit_cuda(const Quant8Launch& launch, void* stream);
+void dequantize_8bit_cuda(const Quant8Launch& launch, void* stream);
 #endif
 
 }  // namespace ruda

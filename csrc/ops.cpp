@@ -39,6 +39,11 @@ TORCH_LIBRARY(ruda_torch, m) {
   m.def("merge_gradient_stats(Tensor rows, Tensor(a!) out) -> ()");
   // Left fold of several reports (buckets, ranks in rank order) into one.
   m.def("merge_gradient_stats_chunks(Tensor reports, Tensor(a!) out) -> ()");
+  // Blockwise 8-bit codes (Note [8-bit moments] in csrc/quant8.h): `codes` (uint8, one per
+  // element of x) and `scales` (float32, one per block of 256) := x's; `code` 0 signed
+  // (exp_avg), 1 unsigned (exp_avg_sq). dequantize_8bit writes the decoded values to out.
+  m.def("quantize_8bit(Tensor x, Tensor(a!) codes, Tensor(b!) scales, int code) -> ()");
+  m.def("dequantize_8bit(Tensor codes, Tensor scales, Tensor(a!) out, int code) -> ()");
 }
 
 // No silent fallback: tensors that no kernel of this build can take get an error that
@@ -81,8 +86,10 @@ void reject_cuda(const c10::OperatorHandle& op, torch::jit::Stack*) {
 }
 #endif
 
-constexpr const char* kOps[] = {"adamw_scaled_", "check_adamw_scaled", "analyze_gradient",
-                                "merge_gradient_stats", "merge_gradient_stats_chunks"};
+constexpr const char* kOps[] = {
+    "adamw_scaled_",        "check_adamw_scaled",          "analyze_gradient",
+    "merge_gradient_stats", "merge_gradient_stats_chunks", "quantize_8bit",
+    "dequantize_8bit"};
 
 }  // namespace
 

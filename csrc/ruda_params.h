@@ -95,6 +95,17 @@ struct StatsLaunch {
   float* rows;              // n_rows x 3
 };
 
+// quantize_8bit / dequantize_8bit (Note [8-bit moments] in csrc/quant8.h): n elements in
+// blocks of kBlock8, one scale per block.
+struct Quant8Launch {
+  const float* x;  // quantize: the values (n); dequantize: null
+  uint8_t* codes;  // n bytes (dequantize reads them)
+  float* scales;   // one per block (dequantize reads them)
+  float* out;      // dequantize: the values (n); quantize: null
+  int64_t n;
+  int64_t code;  // Code8: 0 signed (exp_avg), 1 unsigned (exp_avg_sq)
+};
+
 // Largest unit index u with table[i].unit_start <= u: the tensor that owns unit u.
 RUDA_HOST_DEVICE inline int64_t find_tensor(const TensorEntry* table, int64_t n, int64_t u) {
   int64_t lo = 0, hi = n - 1;

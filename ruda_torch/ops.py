@@ -241,6 +241,50 @@ def _same_device(op: str, named) -> None:
                 )
 
 
+BLOCK_8BIT = 256
+CODES_8BIT = ("signed", "unsigned")
+
+
+def _code8(op: str, code: str) -> int:
+    if code not in CODES_8BIT:
+        raise ValueError(
+            f"ruda_torch.ops.{op}: code must be 'signed' (exp_avg: sign + E3M4) or "
+            f"'unsigned' (exp_avg_sq: E4M4), got {code!r}"
+        )
+    return CODES_8BIT.index(code)
+
+
+def quantize_8bit(x: torch.Tensor, code: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Blockwise 8-bit codes of an FP32 tensor (Note [8-bit moments] in csrc/quant8.h):
+    ``(codes, scales)``, ``codes`` uint8 shaped like ``x``, ``scales`` FP32, the largest
+    magnitude of each block of ``BLOCK_8BIT`` elements of ``x`` in row-major order.
+    ``code``: ``"signed"`` (a first moment) or ``"unsigned"`` (a second moment, which
+    stores magnitudes). Writes nothing else; on CPU and CUDA, with the same bits."""
+    c = _code8("quantize_8bit", code)
+    if not isinstance(x, torch.Tensor) or x.dtype != torch.float32:
+        raise TypeError(
+            "ruda_torch.ops.quantize_8bit: x must be a float32 tensor (got "
+            f"{x.dtype if isinstance(x, torch.Tensor) else type(x).__name__})"
+        )
+    x = x.contiguous()
+    codes = torch.empty(x.shape, dtype=torch.uint8, device=x.device)
+    scales = torch.empty(-(-x.numel() // BLOCK_8BIT), dtype=torch.float32, device=x.device)
+    torch.ops.ruda_torch.quantize_8bit(x, codes, scales, c)
+    return codes, scales
+
+
+def dequantize_8bit(
+    codes: torch.Tensor, scales: torch.Tensor, code: str, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The FP32 values of quantize_8bit's ``(codes, scales)``, shaped like ``codes``
+    (into ``out`` when given: a contiguous FP32 tensor of as many elements)."""
+    c = _code8("dequantize_8bit", code)
+    if out is None:
+        out = torch.empty(codes.shape, dtype=torch.float32, device=codes.device)
+    torch.ops.ruda_torch.dequantize_8bit(codes, scales, out, c)
+    return out
+
+
 @torch.library.register_fake("ruda_torch::adamw_scaled_")
 def _adamw_scaled_fake(params, grads, exp_avg, exp_avg_sq, max_exp_avg_sq, steps, slots,
                        grad_scale, found_inf, stats, clip_coef, lr, beta1, beta2, eps,
@@ -280,3 +324,13 @@ def _merge_gradient_stats_fake(rows, out):
 @torch.library.register_fake("ruda_torch::merge_gradient_stats_chunks")
 def _merge_gradient_stats_chunks_fake(reports, out):
     _same_device("merge_gradient_stats_chunks", [("reports", reports), ("out", out)])
+
+
+@torch.library.register_fake("ruda_torch::quantize_8bit")
+def _quantize_8bit_fake(x, codes, scales, code):
+    _same_device("quantize_8bit", [("x", x), ("codes", codes), ("scales", scales)])
+
+
+@torch.library.register_fake("ruda_torch::dequantize_8bit")
+def _dequantize_8bit_fake(codes, scales, out, code):
+    _same_device("dequantize_8bit", [("codes", codes), ("scales", scales), ("out", out)])

@@ -31,7 +31,13 @@ from collections.abc import Iterable
 import torch
 from torch import Tensor
 
-__all__ = ["adamw_reference", "bias_correction", "global_norm_reference"]
+__all__ = [
+    "adamw_reference",
+    "bias_correction",
+    "dequantize_8bit_reference",
+    "global_norm_reference",
+    "quantize_8bit_reference",
+]
 
 
 def _integer_power(base: float, exponent: int) -> float:
@@ -236,3 +242,76 @@ def global_norm_reference(
             sum_of_squares += float(torch.sum(kept * kept).item())
             max_abs = max(max_abs, float(kept.abs().max().item()))
     return sum_of_squares, max_abs, nonfinite
+
+
+# ---- 8-bit codes (Note [8-bit moments] in csrc/quant8.h), defined by value, not by bits:
+# every code's value in FP64, each q coded as the nearest value (ties to the even code).
+
+_BLOCK_8BIT = 256
+
+
+def _magnitude_values(exponent_bits: int, mantissa_bits: int) -> Tensor:
+    """FP64 value of every magnitude code, in code order (which is value order)."""
+    top = 2**exponent_bits - 1
+    values = []
+    for code in range(2 ** (exponent_bits + mantissa_bits)):
+        e, f = code >> mantissa_bits, code & (2**mantissa_bits - 1)
+        if e == 0:
+            values.append(f * 2.0 ** (1 - top - mantissa_bits))
+        else:
+            values.append(2.0 ** (e - top) * (1 + f / 2**mantissa_bits))
+    return torch.tensor(values, dtype=torch.float64)
+
+
+def _nearest_code(a: Tensor, table: Tensor) -> Tensor:
+    """The code whose value is nearest to each a >= 0 (FP64), ties to the even code."""
+    hi = torch.searchsorted(table, a).clamp(max=len(table) - 1)
+    lo = (hi - 1).clamp(min=0)
+    d_lo, d_hi = (a - table[lo]).abs(), (table[hi] - a).abs()
+    return torch.where((d_lo < d_hi) | ((d_lo == d_hi) & (lo % 2 == 0)), lo, hi)
+
+
+def _code_table(code: str) -> Tensor:
+    return _magnitude_values(3, 4) if code == "signed" else _magnitude_values(4, 4)
+
+
+def quantize_8bit_reference(x: Tensor, code: str) -> tuple[Tensor, Tensor]:
+    """``ruda_torch.ops.quantize_8bit`` by definition: per block of 256 elements the scale
+    (largest magnitude; NaN if the block has a non-finite value, 0 below 2^-126), q = x *
+    fp32(1 / scale) rounded to FP32, and the nearest code of q."""
+    if code not in ("signed", "unsigned"):
+        raise ValueError(f"code must be 'signed' or 'unsigned', got {code!r}")
+    x32 = x.detach().to("cpu", torch.float32).contiguous().flatten()
+    n = x32.numel()
+    blocks = -(-n // _BLOCK_8BIT)
+    padded = torch.zeros(blocks * _BLOCK_8BIT, dtype=torch.float32)
+    padded[:n] = x32
+    rows = padded.view(blocks, _BLOCK_8BIT)
+    finite = torch.isfinite(rows).all(dim=1)
+    largest = torch.where(torch.isfinite(rows), rows.abs(), 0.0).amax(dim=1)
+    tiny = largest < 2.0**-126
+    scales = torch.where(finite, torch.where(tiny, 0.0, largest), float("nan"))
+    stored = finite & ~tiny
+    inverse = torch.where(stored, 1.0 / torch.where(stored, scales, 1.0), 0.0)  # FP32
+    q = torch.where(stored[:, None], rows * inverse[:, None], 0.0)  # FP32 products
+    a = q.abs().double()
+    table = _code_table(code)
+    magnitude = _nearest_code(a.flatten(), table).view_as(a)
+    if code == "signed":
+        codes = torch.where(magnitude == 0, 0, magnitude | ((q < 0).long() << 7))
+    else:
+        codes = torch.where((magnitude == 0) & (a > 0), 1, magnitude)
+    return codes.flatten()[:n].to(torch.uint8).view(x.shape), scales
+
+
+def dequantize_8bit_reference(codes: Tensor, scales: Tensor, code: str) -> Tensor:
+    """FP32 values of (codes, scales): each code's exact value times its block's scale,
+    rounded once to FP32."""
+    flat = codes.detach().cpu().flatten().long()
+    table = _code_table(code)
+    if code == "signed":
+        value = table[flat & 0x7F] * torch.where(flat >= 128, -1.0, 1.0).double()
+    else:
+        value = table[flat]
+    block = torch.arange(flat.numel()) // _BLOCK_8BIT
+    return (value * scales.detach().cpu().double()[block]).float().view(codes.shape)

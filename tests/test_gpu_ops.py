@@ -764,3 +764,24 @@ def test_capturing_a_gathered_step_is_refused():
     with pytest.raises(RuntimeError, match="flat_grads=True"):
         with torch.cuda.graph(graph):
             opt.step()
+
+
+@pytest.mark.parametrize("code", ops.CODES_8BIT)
+@pytest.mark.parametrize("numel", [0, 1, 97, 256, 1025, 65537, 1 << 22])
+def test_quantize_8bit_cuda_matches_cpu_bitwise(code, numel):
+    """Blockwise 8-bit codes (Note [8-bit moments] in csrc/quant8.h): codes, scales and
+    decoded values on the GPU equal the CPU kernels', with a NaN block and a tiny block."""
+    gen = torch.Generator().manual_seed(numel)
+    x = torch.randn(numel, generator=gen) * torch.exp(torch.randn(numel, generator=gen) * 3)
+    if numel >= 1025:
+        x[300] = float("nan")
+        x[768:1024] = 1e-39
+    if code == "unsigned":
+        x = x.abs()
+    codes, scales = ops.quantize_8bit(x, code)
+    gpu_codes, gpu_scales = ops.quantize_8bit(x.cuda(), code)
+    assert torch.equal(gpu_codes.cpu(), codes)
+    assert torch.equal(gpu_scales.cpu().view(torch.int32), scales.view(torch.int32))
+    decoded = ops.dequantize_8bit(codes, scales, code)
+    gpu_decoded = ops.dequantize_8bit(gpu_codes, gpu_scales, code).cpu()
+    assert torch.equal(gpu_decoded.view(torch.int32), decoded.view(torch.int32))

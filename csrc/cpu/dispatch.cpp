@@ -36,6 +36,8 @@ void merge_gradient_stats_cpu(const float* rows, int64_t n_rows, float* out) {
 void merge_gradient_stats_chunks_cpu(const float* reports, int64_t n_reports, float* out) {
   kernels().merge_gradient_stats_chunks(reports, n_reports, out);
 }
+void quantize_8bit_cpu(const Quant8Launch& launch) { kernels().quantize_8bit(launch); }
+void dequantize_8bit_cpu(const Quant8Launch& launch) { kernels().dequantize_8bit(launch); }
 
 // set_cpu_kernels(capsule) -> str: installs an ISA module's kernels, returns its ISA.
 PyObject* set_cpu_kernels(PyObject*, PyObject* capsule) {

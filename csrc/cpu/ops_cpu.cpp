@@ -43,6 +43,16 @@ void merge_gradient_stats_chunks_cpu_op(const at::Tensor& reports, const at::Ten
   merge_gradient_stats_chunks_cpu(reports.data_ptr<float>(), n, out.data_ptr<float>());
 }
 
+void quantize_8bit_cpu_op(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
+                          int64_t code) {
+  quantize_8bit_cpu(prepare_quantize_8bit(x, codes, scales, code));
+}
+
+void dequantize_8bit_cpu_op(const at::Tensor& codes, const at::Tensor& scales,
+                            const at::Tensor& out, int64_t code) {
+  dequantize_8bit_cpu(prepare_dequantize_8bit(codes, scales, out, code));
+}
+
 }  // namespace
 }  // namespace ruda
 
@@ -51,4 +61,6 @@ TORCH_LIBRARY_IMPL(ruda_torch, CPU, m) {
   m.impl("analyze_gradient", &ruda::analyze_gradient_cpu_op);
   m.impl("merge_gradient_stats", &ruda::merge_gradient_stats_cpu_op);
   m.impl("merge_gradient_stats_chunks", &ruda::merge_gradient_stats_chunks_cpu_op);
+  m.impl("quantize_8bit", &ruda::quantize_8bit_cpu_op);
+  m.impl("dequantize_8bit", &ruda::dequantize_8bit_cpu_op);
 }

@@ -107,6 +107,22 @@ void rewrite_table(const at::Tensor& slot, const std::vector<TensorEntry>& entri
   slot.copy_(upload_table(entries, fb.device), /*non_blocking=*/true);
 }
 
+void quantize_8bit_cuda_op(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
+                           int64_t code) {
+  const Quant8Launch launch = prepare_quantize_8bit(x, codes, scales, code);
+  if (launch.n == 0) return;
+  const c10::cuda::CUDAGuard guard(x.device());
+  quantize_8bit_cuda(launch, current_stream());
+}
+
+void dequantize_8bit_cuda_op(const at::Tensor& codes, const at::Tensor& scales,
+                             const at::Tensor& out, int64_t code) {
+  const Quant8Launch launch = prepare_dequantize_8bit(codes, scales, out, code);
+  if (launch.n == 0) return;
+  const c10::cuda::CUDAGuard guard(out.device());
+  dequantize_8bit_cuda(launch, current_stream());
+}
+
 }  // namespace
 
 void launch_flat_cuda(FlatBucket& fb, AdamWLaunch launch) {
@@ -144,4 +160,6 @@ TORCH_LIBRARY_IMPL(ruda_torch, CUDA, m) {
   m.impl("analyze_gradient", &ruda::analyze_gradient_cuda_op);
   m.impl("merge_gradient_stats", &ruda::merge_gradient_stats_cuda_op);
   m.impl("merge_gradient_stats_chunks", &ruda::merge_gradient_stats_chunks_cuda_op);
+  m.impl("quantize_8bit", &ruda::quantize_8bit_cuda_op);
+  m.impl("dequantize_8bit", &ruda::dequantize_8bit_cuda_op);
 }

@@ -93,6 +93,18 @@ void merge_chunks(const at::Tensor& reports, const at::Tensor& out) {
                                          nullptr);
 }
 
+void quantize_8bit(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
+                   int64_t code) {
+  const ruda::Quant8Launch launch = ruda::prepare_quantize_8bit(x, codes, scales, code);
+  if (launch.n > 0) ruda::quantize_8bit_cuda(launch, nullptr);
+}
+
+void dequantize_8bit(const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& out,
+                     int64_t code) {
+  const ruda::Quant8Launch launch = ruda::prepare_dequantize_8bit(codes, scales, out, code);
+  if (launch.n > 0) ruda::dequantize_8bit_cuda(launch, nullptr);
+}
+
 // A flat bucket (Note [Flat gradient buckets]) on the emulated device: the binding's
 // FlatBucket, with its device tables as host memory written by the rules of Note [Flat
 // device tables] (as csrc/cuda/ops_cuda.cpp writes them), counting the writes.
@@ -185,6 +197,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("analyze", &analyze);
   m.def("merge", &merge);
   m.def("merge_chunks", &merge_chunks);
+  m.def("quantize_8bit", &quantize_8bit);
+  m.def("dequantize_8bit", &dequantize_8bit);
   m.def("resident_blocks", &resident_blocks);
   py::class_<SimFlat, std::shared_ptr<SimFlat>>(m, "SimFlat");
   m.def("flat_new", &flat_new);

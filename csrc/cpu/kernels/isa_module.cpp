@@ -23,6 +23,8 @@ const ruda::CpuKernels kKernels = {
     &ruda::analyze_gradient_cpu,
     &ruda::merge_gradient_stats_cpu,
     &ruda::merge_gradient_stats_chunks_cpu,
+    &ruda::quantize_8bit_cpu,
+    &ruda::dequantize_8bit_cpu,
 };
 
 }  // namespace

@@ -1,0 +1,156 @@
+#!/usr/bin/env python3
+"""Quantization error of 8-bit moment codes on real AdamW moments (Note [8-bit moments] in
+csrc/quant8.h).
+
+A byte-level transformer language model (benchmarks/quality_state_precision.py) is
+trained on the Python standard library's own sources with ruda_torch.AdamW (FP32
+moments) for ``--steps`` steps; its moments (tensors of at least 4,096 elements, as the
+8-bit format would hold them) are then coded in blocks of 256 with one FP32 scale (the
+largest magnitude) per block, by each candidate code book:
+
+  dyn        the dynamic-exponent map of bitsandbytes and torchao (signed for exp_avg,
+             unsigned for exp_avg_sq; torchao's create_dynamic_map), nearest value
+  s+EeMm     sign + e exponent bits + m mantissa bits, top binade [1, 2) (exp_avg)
+  EeMm       e exponent bits + m mantissa bits (exp_avg_sq)
+  ours       ruda_torch.ops.quantize_8bit: s+E3M4 and E4M4 (the native kernels)
+
+Reported: the relative error of the decoded moments (median, 99th percentile), the
+fraction of nonzero values coded as zero, and the error of the update
+m_hat / (sqrt(v_hat) + eps) computed from decoded moments against the exact one (relative
+L2; the fraction of elements whose update grew more than 4x; the largest update).
+
+    .venv/bin/python benchmarks/quant8_error.py --steps 300
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import quality_state_precision as quality  # noqa: E402
+from bench_adamw import environment  # noqa: E402
+
+import ruda_torch  # noqa: E402
+from ruda_torch import ops  # noqa: E402
+
+BLOCK = ops.BLOCK_8BIT
+
+
+def float_code(exponent_bits: int, mantissa_bits: int, signed: bool) -> torch.Tensor:
+    """Every value of a float code with top binade [1, 2), sorted (FP64)."""
+    top = 2**exponent_bits - 1
+    values = {0.0}
+    for e in range(2**exponent_bits):
+        for f in range(2**mantissa_bits):
+            if e == 0:
+                values.add(2.0 ** (1 - top) * f / 2**mantissa_bits)
+            else:
+                values.add(2.0 ** (e - top) * (1 + f / 2**mantissa_bits))
+    if signed:
+        values |= {-v for v in values}
+    return torch.tensor(sorted(values), dtype=torch.float64)
+
+
+def nearest(x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    i = torch.searchsorted(table, x).clamp(1, len(table) - 1)
+    lo, hi = table[i - 1], table[i]
+    return torch.where((x - lo) <= (hi - x), lo, hi)
+
+
+def blockwise(x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """x (FP64) coded by `table` in blocks of BLOCK with absmax scales, decoded."""
+    n = x.numel()
+    rows = torch.cat([x, x.new_zeros(-n % BLOCK)]).view(-1, BLOCK)
+    scale = rows.abs().amax(1, keepdim=True)
+    q = (rows / torch.where(scale > 0, scale, 1.0)).clamp(table[0].item(), table[-1].item())
+    return (nearest(q.flatten(), table).view_as(rows) * scale).flatten()[:n]
+
+
+def ours(x: torch.Tensor, code: str) -> torch.Tensor:
+    codes, scales = ops.quantize_8bit(x.float(), code)
+    return ops.dequantize_8bit(codes, scales, code).double()
+
+
+def trained_moments(steps: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+    train, _, _, _ = quality.corpus(2_000_000)
+    torch.manual_seed(seed)
+    model = quality.ByteLM(128)
+    opt = ruda_torch.AdamW(model.parameters(), **quality.HYPER, fused_step=True)
+    for step, (x, y) in enumerate(quality.batches(train, steps, 16, 128, seed + 7)):
+        loss = nn.functional.cross_entropy(model(x).reshape(-1, 256), y.reshape(-1))
+        opt.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        if (step + 1) % max(1, steps // 5) == 0:
+            print(f"  training: step {step + 1}/{steps}, loss {loss.item():.4f}", flush=True)
+    big = [p for p in model.parameters() if p.numel() >= 4096]
+    m = torch.cat([opt.state[p]["exp_avg"].flatten().double() for p in big])
+    v = torch.cat([opt.state[p]["exp_avg_sq"].flatten().double() for p in big])
+    return m, v, steps
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--steps", type=int, default=300)
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+    env = environment(torch.device("cpu"))
+    print(f"quant8_error: torch {env['torch']}, CPU {env.get('cpu_model')}")
+    m, v, t = trained_moments(args.steps, args.seed)
+    b1, b2, eps = quality.HYPER["betas"][0], quality.HYPER["betas"][1], quality.HYPER["eps"]
+    bc1, bc2 = 1 - b1**t, 1 - b2**t
+
+    def update(mm, vv):
+        return (mm / bc1) / ((vv / bc2).sqrt() + eps)
+
+    exact = update(m, v)
+    print(f"moments after {t} steps: {m.numel():,} elements in tensors of >= 4096")
+    first, second = {}, {}
+    try:
+        from torchao.optim.quant_utils import create_dynamic_map
+
+        first["dyn"] = blockwise(m, torch.tensor(create_dynamic_map(True), dtype=torch.float64))
+        second["dyn"] = blockwise(v, torch.tensor(create_dynamic_map(False), dtype=torch.float64))
+    except ImportError:
+        print("(torchao is not installed: no dynamic map; pip install -r requirements-bench.txt)")
+    for e, mm in ((4, 3), (3, 4), (5, 2)):
+        first[f"s+E{e}M{mm}"] = blockwise(m, float_code(e, mm, True))
+    for e, mm in ((4, 4), (5, 3), (3, 5)):
+        second[f"E{e}M{mm}"] = blockwise(v, float_code(e, mm, False))
+    first["ours"], second["ours"] = ours(m, "signed"), ours(v, "unsigned")
+
+    def report(name, decoded, exact_values):
+        nz = exact_values != 0
+        rel = (decoded[nz] - exact_values[nz]).abs() / exact_values[nz].abs()
+        zeroed = ((decoded == 0) & nz).double().mean().item()
+        p99 = rel.kthvalue(max(1, int(0.99 * rel.numel()))).values.item()
+        print(f"  {name:10s} median {rel.median().item():.4f}  p99 {p99:.4f}  "
+              f"coded as 0 {zeroed:.5f}")  # fmt: skip
+
+    print("exp_avg, relative error of nonzero values:")
+    for k, d in first.items():
+        report(k, d, m)
+    print("exp_avg_sq:")
+    for k, d in second.items():
+        report(k, d, v)
+    print("update from decoded moments: relative L2 error, fraction grown > 4x, largest |update|")
+    print(f"  exact: largest |update| {exact.abs().max().item():.3g}")
+    pairs = [("dyn", "dyn")] if "dyn" in first else []
+    pairs += [("s+E4M3", "E4M4"), ("s+E3M4", "E5M3"), ("s+E3M4", "E3M5"), ("ours", "ours")]
+    for a, b in pairs:
+        u = update(first[a], second[b])
+        err = ((u - exact).norm() / exact.norm()).item()
+        grown = (u.abs() > 4 * exact.abs() + 1e-3).double().mean().item()
+        print(f"  exp_avg {a:8s} exp_avg_sq {b:6s} {err:.4f}  {grown:.6f}  "
+              f"{u.abs().max().item():.3g}")  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

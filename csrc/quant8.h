@@ -1,0 +1,124 @@
+// Blockwise 8-bit codes of the moments, shared by the CPU and the CUDA kernels.
+//
+// Note [8-bit moments]
+// The format of state_precision="8bit" (issue 23; the optimizer option is not wired to it
+// yet, the operators quantize_8bit / dequantize_8bit are): a tensor is cut into blocks of
+// kBlock8 = 256 consecutive elements (the last one shorter), each stored as one FP32
+// scale, the largest magnitude in the block, and one byte per element, the code of
+// q = x * (1 / scale) in a small floating-point format whose top binade is [1, 2):
+//   kSigned   (exp_avg):    sign bit + 3 exponent bits + 4 mantissa bits ("s+E3M4"):
+//             q in 2^-6 .. 1.94 at 2^-5 relative spacing, subnormals down to 2^-10;
+//   kUnsigned (exp_avg_sq): 4 exponent bits + 4 mantissa bits ("E4M4"): q in 2^-14 ..
+//             1.94 at 2^-5 relative spacing, subnormals down to 2^-18; a positive value
+//             never gets the code of zero (it rounds up to 2^-18 instead).
+// Encoding is round to nearest, ties to the even code, done on the bits of q (the same
+// integer operations on both backends, no table, no search); decoding is exact to FP32
+// and then multiplied by the scale (one correctly rounded product). Why these codes and
+// not the peers' dynamic-exponent map (bitsandbytes, torchao; 256 table entries found by
+// a binary search): measured on the moments of a byte-level language model trained on the
+// standard library's sources (benchmarks/quant8_error.py, docs/performance.md), the
+// update m / (sqrt(v) + eps) computed from the decoded moments is 1.46% (relative L2)
+// away from the exact one, against 1.43% with the dynamic map, so the map buys nothing
+// that justifies a table lookup per element. The second moment must not decode to zero
+// where it was not: v = 0 under a nonzero m makes the update m / eps, so E4M4 (range
+// 2^-18) instead of E3M5, and a positive v is never flushed to zero: the decoded v is
+// then too large, never too small, and the step never larger than the exact one.
+// The scale is a maximum, which rounds nothing, so every reduction order gives the same
+// bits (it is taken on the magnitudes' bit patterns, which order as the values do). A
+// block with a NaN or an infinity stores the scale NaN and codes 0: every element of it
+// decodes to NaN. A block whose largest magnitude is below 2^-126 (FP32's smallest normal,
+// where 1 / scale would overflow) is stored as zeros (scale 0).
+#pragma once
+
+#include <cstdint>
+
+#include "adamw_math.h"
+
+namespace ruda {
+
+constexpr int64_t kBlock8 = 256;
+
+enum class Code8 : int64_t { kSigned = 0, kUnsigned = 1 };
+
+// The code of a >= 0 (finite, below 2) with kExp exponent and kMan mantissa bits, top
+// binade [1, 2): round to nearest, ties to even, on the FP32 bits.
+template <int kExp, int kMan>
+RUDA_HOST_DEVICE inline uint32_t encode_magnitude(float a) {
+  constexpr int32_t kTop = (1 << kExp) - 1;
+  constexpr uint32_t kDrop = 23 - kMan;
+  const uint32_t bits = float_bits(a);
+  const int32_t e32 = static_cast<int32_t>(bits >> 23);
+  const int32_t target = (e32 == 0 ? 1 : e32) - 127 + kTop;  // the code's biased exponent
+  if (target >= 1) {  // a normal code: drop the low mantissa bits, the carry may reach the exponent
+    const uint32_t r = bits + ((1u << (kDrop - 1)) - 1u) + ((bits >> kDrop) & 1u);
+    return (r >> kDrop) - (static_cast<uint32_t>(127 - kTop) << kMan);
+  }
+  // A subnormal code: the significand shifted right, rounded the same way (a value that
+  // rounds up to the smallest normal gets its code: the codes are in value order).
+  const uint32_t shift = static_cast<uint32_t>(static_cast<int32_t>(kDrop) + 1 - target);
+  if (shift >= 25) return 0;  // below half the smallest subnormal (the significand < 2^24)
+  const uint32_t sig = (bits & 0x7FFFFFu) | (e32 == 0 ? 0u : 0x800000u);
+  return (sig + ((1u << (shift - 1)) - 1u) + ((sig >> shift) & 1u)) >> shift;
+}
+
+// The value of a code of encode_magnitude(), exact in FP32.
+template <int kExp, int kMan>
+RUDA_HOST_DEVICE inline float decode_magnitude(uint32_t code) {
+  constexpr int32_t kTop = (1 << kExp) - 1;
+  const uint32_t e = code >> kMan;
+  const uint32_t f = code & ((1u << kMan) - 1u);
+  if (e == 0) {  // f * 2^(1 - kTop - kMan): a power of two times a small integer
+    return static_cast<float>(f) *
+           float_from_bits(static_cast<uint32_t>(127 + 1 - kTop - kMan) << 23);
+  }
+  return float_from_bits(((e + static_cast<uint32_t>(127 - kTop)) << 23) | (f << (23 - kMan)));
+}
+
+// The byte of q = x / scale (|q| <= 1 + 2^-23).
+template <Code8 kCode>
+RUDA_HOST_DEVICE inline uint8_t encode8(float q) {
+  const uint32_t bits = float_bits(q);
+  if constexpr (kCode == Code8::kSigned) {
+    const uint32_t magnitude = encode_magnitude<3, 4>(float_from_bits(bits & 0x7FFFFFFFu));
+    return static_cast<uint8_t>(magnitude == 0 ? 0u : ((bits >> 31) << 7) | magnitude);
+  } else {
+    const uint32_t magnitude = encode_magnitude<4, 4>(float_from_bits(bits & 0x7FFFFFFFu));
+    return static_cast<uint8_t>(magnitude == 0 && (bits & 0x7FFFFFFFu) != 0 ? 1u : magnitude);
+  }
+}
+
+// The value of a byte, before the scale (exact).
+template <Code8 kCode>
+RUDA_HOST_DEVICE inline float decode8(uint8_t code) {
+  if constexpr (kCode == Code8::kSigned) {
+    const float magnitude = decode_magnitude<3, 4>(code & 0x7Fu);
+    return (code & 0x80u) != 0 ? -magnitude : magnitude;
+  } else {
+    return decode_magnitude<4, 4>(code);
+  }
+}
+
+// The bits of |x|, which order as the magnitudes do (NaN above infinity above all finite):
+// their maximum is the block's scale, in any order of reduction.
+RUDA_HOST_DEVICE inline uint32_t magnitude_bits(float x) { return float_bits(x) & 0x7FFFFFFFu; }
+
+// A block's scale from the maximum of magnitude_bits() over it: NaN (canonical) when a
+// value was not finite, 0 below FP32's smallest normal, else the largest magnitude.
+RUDA_HOST_DEVICE inline float block_scale(uint32_t max_magnitude_bits) {
+  if (max_magnitude_bits >= 0x7F800000u) return float_from_bits(kCanonicalNaNBits);
+  if (max_magnitude_bits < 0x00800000u) return 0.0f;
+  return float_from_bits(max_magnitude_bits);
+}
+
+// What q = x * inverse uses: 1 / scale, or 0 for a block stored as zeros (scale 0 or NaN).
+RUDA_HOST_DEVICE inline float block_inverse(float scale) {
+  return scale > 0.0f ? 1.0f / scale : 0.0f;
+}
+
+// An element's stored value: the byte's value times the block's scale.
+template <Code8 kCode>
+RUDA_HOST_DEVICE inline float dequantize8(uint8_t code, float scale) {
+  return decode8<kCode>(code) * scale;
+}
+
+}  // namespace ruda

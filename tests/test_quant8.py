@@ -1,0 +1,206 @@
+"""Blockwise 8-bit codes of the moments (Note [8-bit moments] in csrc/quant8.h):
+``ruda_torch.ops.quantize_8bit`` / ``dequantize_8bit`` on the CPU against the reference
+that defines them by value (ruda_torch/reference.py: every code's value in FP64, the
+nearest code, ties to the even code), bit for bit; the error bounds the format promises;
+the rules at the edges (zeros, values below the smallest code, non-finite blocks, tiny
+blocks); validation. The emulated CUDA kernels are compared with these in
+tests/test_cuda_sim.py, the real ones in tests/test_gpu_ops.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ruda_torch import ops
+from ruda_torch.reference import dequantize_8bit_reference, quantize_8bit_reference
+
+SIZES = [0, 1, 97, 256, 1025, 65537]
+CODES = ops.CODES_8BIT
+# Smallest normal magnitude of q and the relative half-spacing of 4 mantissa bits.
+SMALLEST_NORMAL = {"signed": 2.0**-6, "unsigned": 2.0**-14}
+HALF_SPACING = 2.0**-5
+
+
+def _inputs(n: int, code: str, spread: float, seed: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, generator=gen) * torch.exp(torch.randn(n, generator=gen) * spread)
+    return x.abs() if code == "unsigned" else x
+
+
+def _both(x: torch.Tensor, code: str):
+    codes, scales = ops.quantize_8bit(x, code)
+    ref_codes, ref_scales = quantize_8bit_reference(x, code)
+    return codes, scales, ref_codes, ref_scales
+
+
+@pytest.mark.parametrize("code", CODES)
+@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("spread", [0.0, 1.0, 4.0], ids=["gaussian", "lognormal", "wide"])
+def test_codes_equal_the_reference_bit_for_bit(code, n, spread):
+    x = _inputs(n, code, spread, seed=n + int(spread * 10))
+    codes, scales, ref_codes, ref_scales = _both(x, code)
+    assert codes.dtype == torch.uint8 and codes.shape == x.shape
+    assert scales.shape == (-(-n // ops.BLOCK_8BIT),)
+    assert torch.equal(scales.view(torch.int32), ref_scales.view(torch.int32))
+    assert torch.equal(codes, ref_codes), f"{(codes != ref_codes).sum()} codes differ"
+    decoded = ops.dequantize_8bit(codes, scales, code)
+    ref = dequantize_8bit_reference(codes, scales, code)
+    assert torch.equal(decoded.view(torch.int32), ref.view(torch.int32))
+
+
+@pytest.mark.parametrize("code", CODES)
+def test_ties_round_to_the_even_code(code):
+    """q exactly halfway between two neighbouring codes (a power-of-two scale keeps q
+    exact) takes the even one; just above or below it, the nearer one."""
+    values = dequantize_8bit_reference(
+        torch.arange(256 if code == "unsigned" else 128, dtype=torch.uint8),
+        torch.ones(1),
+        code,
+    ).double()
+    k = torch.arange(1, values.numel() - 1)
+    k = k[values[k + 1] <= 1.0]  # codes within the range of q
+    mid = ((values[k] + values[k + 1]) / 2).float()
+    assert torch.equal(mid.double(), (values[k] + values[k + 1]) / 2)  # exact midpoints
+    for offset, expect in ((0, None), (1, k), (-1, k + 1)):
+        x = mid.clone()
+        if offset:  # one FP32 ulp towards code k (offset 1) or k + 1
+            x = torch.nextafter(x, torch.full_like(x, -offset * 10.0))
+        x = torch.cat([x, torch.ones(1)])  # the block's scale: 1.0
+        codes, scales = ops.quantize_8bit(x, code)
+        assert scales[0] == 1.0
+        got = codes[:-1].long()
+        want = torch.where(k % 2 == 0, k, k + 1) if expect is None else expect
+        assert torch.equal(got, want), (offset, (got != want).nonzero()[:5])
+
+
+@pytest.mark.parametrize("code", CODES)
+def test_every_code_decodes_and_encodes_back(code):
+    """Each code's value, scaled back by a block whose largest magnitude is 1, is coded as
+    that code again (the nearest value to a code's value is itself)."""
+    n_codes = 256 if code == "unsigned" else 128
+    all_codes = torch.arange(n_codes, dtype=torch.uint8)
+    values = dequantize_8bit_reference(all_codes, torch.ones(1), code)
+    keep = values <= 1.0
+    x = torch.cat([values[keep], torch.ones(1)])
+    codes, _ = ops.quantize_8bit(x, code)
+    assert torch.equal(codes[:-1], all_codes[keep])
+    if code == "signed":  # and the negative codes
+        codes, _ = ops.quantize_8bit(torch.cat([-values[keep][1:], torch.ones(1)]), code)
+        assert torch.equal(codes[:-1], all_codes[keep][1:] | 0x80)
+
+
+@pytest.mark.parametrize("code", CODES)
+def test_error_bound_in_the_normal_range(code):
+    """Where |x| / scale is at least the smallest normal code, the decoded value is within
+    half a code spacing (2^-5 relative) of x, plus FP32's roundings of q and of the
+    product."""
+    x = _inputs(65537, code, 1.0, seed=11)
+    codes, scales = ops.quantize_8bit(x, code)
+    decoded = ops.dequantize_8bit(codes, scales, code)
+    block = torch.arange(x.numel()) // ops.BLOCK_8BIT
+    normal = x.abs() >= SMALLEST_NORMAL[code] * scales[block]
+    assert normal.float().mean() > 0.5
+    rel = ((decoded - x).abs() / x.abs())[normal]
+    assert rel.max() <= HALF_SPACING * (1 + 2**-20) + 2**-22
+    assert rel.max() > HALF_SPACING * 0.9  # the bound is reached: the test can fail
+    assert (decoded.sign() == x.sign())[normal].all()
+
+
+def test_below_the_smallest_code():
+    """A first moment below half the smallest code is stored as zero; a positive second
+    moment never is (it rounds up to the smallest code: a second moment decoded too small
+    would make the step too large); -0.0 is zero in both."""
+    x = torch.tensor([1.0, 2.0**-12, -(2.0**-12), -0.0, 0.0])  # half the smallest: 2^-11
+    codes, _ = ops.quantize_8bit(x, "signed")
+    assert codes[1:].tolist() == [0, 0, 0, 0]
+    x = torch.tensor([1.0, 2.0**-20, 2.0**-30, -0.0, 0.0])  # half the smallest: 2^-19
+    codes, _ = ops.quantize_8bit(x, "unsigned")
+    assert codes[1:].tolist() == [1, 1, 0, 0]
+    smallest = ops.dequantize_8bit(torch.tensor([1], dtype=torch.uint8), torch.ones(1), "unsigned")
+    assert smallest.item() == 2.0**-18
+
+
+@pytest.mark.parametrize("code", CODES)
+def test_non_finite_and_tiny_blocks(code):
+    """A block with a NaN or an infinity stores the scale NaN and codes 0 (all of it
+    decodes to NaN); a block whose largest magnitude is below 2^-126 is stored as zeros;
+    the blocks around them are unaffected."""
+    x = _inputs(5 * 256, code, 1.0, seed=3)
+    x[256 + 17] = float("nan")
+    x[512 + 3] = float("inf")
+    x[768:1024] = x[768:1024].sign() * 1e-39  # subnormal FP32
+    codes, scales = ops.quantize_8bit(x, code)
+    ref_codes, ref_scales = quantize_8bit_reference(x, code)
+    assert torch.equal(codes, ref_codes)
+    assert scales[1].isnan() and scales[2].isnan() and scales[3] == 0
+    assert (codes[256:1024] == 0).all()
+    decoded = ops.dequantize_8bit(codes, scales, code)
+    assert decoded[256:768].isnan().all() and (decoded[768:1024] == 0).all()
+    for b in (0, 4):
+        part = slice(256 * b, 256 * (b + 1))
+        alone, _ = ops.quantize_8bit(x[part].clone(), code)
+        assert torch.equal(codes[part], alone)
+
+
+def test_unsigned_codes_store_magnitudes():
+    x = _inputs(1025, "signed", 1.0, seed=5)
+    assert torch.equal(
+        ops.quantize_8bit(x, "unsigned")[0], ops.quantize_8bit(x.abs(), "unsigned")[0]
+    )
+
+
+def test_layouts_and_out():
+    """Blocks follow x's elements in row-major order whatever its strides; dequantize
+    writes into a given out."""
+    x = _inputs(40 * 30, "signed", 1.0, seed=6).view(40, 30)
+    codes, scales = ops.quantize_8bit(x.t(), "signed")
+    want_codes, want_scales = ops.quantize_8bit(x.t().contiguous(), "signed")
+    assert codes.shape == (30, 40) and torch.equal(codes, want_codes)
+    assert torch.equal(scales, want_scales)
+    out = torch.empty(30, 40)
+    assert ops.dequantize_8bit(codes, scales, "signed", out=out) is out
+    assert torch.equal(out, ops.dequantize_8bit(codes, scales, "signed"))
+
+
+def test_errors_name_the_argument_and_write_nothing():
+    x = torch.randn(300)
+    with pytest.raises(ValueError, match="code must be 'signed'.*'unsigned'.*got 'int8'"):
+        ops.quantize_8bit(x, "int8")
+    with pytest.raises(TypeError, match="x must be a float32 tensor"):
+        ops.quantize_8bit(x.double(), "signed")
+    q = torch.ops.ruda_torch.quantize_8bit
+    codes, scales = torch.full((300,), 7, dtype=torch.uint8), torch.full((2,), 5.0)
+    with pytest.raises(RuntimeError, match="scales must be a contiguous float32 tensor of 2"):
+        q(x, codes, torch.empty(3), 0)
+    with pytest.raises(RuntimeError, match="codes must be a contiguous uint8 tensor of 300"):
+        q(x, torch.empty(300, dtype=torch.int8), scales, 0)
+    with pytest.raises(RuntimeError, match="code must be 0"):
+        q(x, codes, scales, 2)
+    with pytest.raises(RuntimeError, match="x must be a contiguous float32 tensor"):
+        q(torch.randn(20, 15).t(), codes, scales, 0)
+    assert (codes == 7).all() and (scales == 5.0).all()
+    d = torch.ops.ruda_torch.dequantize_8bit
+    out = torch.full((300,), 3.0)
+    with pytest.raises(RuntimeError, match="out must be a contiguous float32 tensor"):
+        d(codes, scales, torch.empty(300, dtype=torch.float64), 0)
+    with pytest.raises(RuntimeError, match="scales must be .* of 2 elements"):
+        d(codes, torch.ones(1), out, 0)
+    buf = torch.full((302,), 3.0)
+    shared_scales, overlapping = buf[:2], buf[1:301]  # out would overwrite a scale
+    shared_scales.copy_(scales)
+    with pytest.raises(RuntimeError, match="out"):
+        d(codes, shared_scales, overlapping, 0)
+    assert (buf[2:] == 3.0).all() and (shared_scales == 5.0).all()
+    assert (out == 3.0).all()
+
+
+@pytest.mark.parametrize("code", CODES)
+def test_opcheck(code):
+    x = _inputs(600, code, 1.0, seed=8)
+    codes, scales = torch.empty(600, dtype=torch.uint8), torch.empty(3)
+    c = CODES.index(code)
+    torch.library.opcheck(torch.ops.ruda_torch.quantize_8bit, (x, codes, scales, c))
+    ops.quantize_8bit(x, code)
+    torch.library.opcheck(
+        torch.ops.ruda_torch.dequantize_8bit, (*ops.quantize_8bit(x, code), torch.empty(600), c)
+    )
