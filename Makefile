@@ -282,7 +282,7 @@ test-cuda-sim: $(BUILD_STAMP)
 	RUDA_CUDA_SIM_SANITIZE=thread LD_PRELOAD=$(TSAN_LIB) \
 		TSAN_OPTIONS="halt_on_error=1 exitcode=66 report_signal_unsafe=0" \
 		$(PY) -m pytest tests/test_cuda_sim.py -q -p no:cacheprovider \
-		-k "concurrent and (analyze or merge)"
+		-k "concurrent and (analyze or merge or 8bit)"
 	$(PY) tools/cuda_sim_mutations.py
 
 # tools/check_packaging.sh: the sdist's contents, the isolated-build refusal, the wheel

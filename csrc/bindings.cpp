@@ -81,6 +81,8 @@ const char* dtype_name(at::ScalarType t) {
       return "float16";
     case at::kBFloat16:
       return "bfloat16";
+    case at::kByte:
+      return "uint8";
     default:
       return c10::toString(t);
   }
@@ -89,10 +91,17 @@ const char* dtype_name(at::ScalarType t) {
 void check_flat(const char* op, const at::Tensor& t, const char* name, const at::Device& device,
                 at::ScalarType dtype = at::kFloat) {
   TORCH_CHECK(t.scalar_type() == dtype, "ruda_torch.", op, ": ", name, " must be ",
-              dtype_name(dtype), " (got ", t.scalar_type(), ")");
+              dtype_name(dtype), " (got ", dtype_name(t.scalar_type()), ")");
   TORCH_CHECK(t.dim() == 1 && t.is_contiguous(), "ruda_torch.", op, ": ", name,
               " must be a contiguous 1-D tensor (got shape ", shape_str(t), ")");
   check_same_device(op, t, name, device);
+}
+
+// Elements a flat moment buffer holds: its length, or for 8-bit moments (uint8, Note [8-bit
+// moments] in csrc/quant8.h) the codes before the scales.
+int64_t state_capacity(const at::Tensor& moments) {
+  if (moments.scalar_type() != at::kByte) return moments.numel();
+  return moments.numel() / kPacked8 * kBlock8;
 }
 
 void check_scalar_fp32(const char* op, const std::optional<at::Tensor>& t, const char* name,
@@ -181,6 +190,8 @@ DType dtype_of(at::ScalarType t) {
       return DType::kBFloat16;
     case at::kDouble:
       return DType::kDouble;
+    case at::kByte:
+      return DType::kUInt8;
     default:
       return DType::kFloat;
   }
@@ -214,7 +225,14 @@ AdamWLaunch prepare_launch(
   // moment buffer must have it.
   const at::ScalarType sdtype = pdtype == at::kDouble                    ? at::kDouble
                                 : exp_avg.scalar_type() == at::kBFloat16 ? at::kBFloat16
+                                : exp_avg.scalar_type() == at::kByte     ? at::kByte
                                                                          : at::kFloat;
+  if (sdtype == at::kByte) {
+    TORCH_CHECK(exp_avg.numel() % kPacked8 == 0, "ruda_torch.", op,
+                ": 8-bit moment buffers (uint8) hold ", kPacked8, " bytes per block of ", kBlock8,
+                " elements: the codes, then one float32 scale per block (got ", exp_avg.numel(),
+                " bytes; see ruda_torch.ops.packed_8bit_bytes)");
+  }
   check_flat(op, exp_avg, "exp_avg", device, sdtype);
   check_flat(op, exp_avg_sq, "exp_avg_sq", device, sdtype);
   TORCH_CHECK(exp_avg_sq.numel() == exp_avg.numel(), "ruda_torch.", op,
@@ -233,9 +251,9 @@ AdamWLaunch prepare_launch(
                 "bfloat16 parameters; params are ",
                 dtype_name(pdtype), " (pass master=None)");
     check_flat(op, *master, "master", device);
-    TORCH_CHECK(master->numel() == exp_avg.numel(), "ruda_torch.", op,
-                ": master must have as many elements as exp_avg (got ", master->numel(), " vs ",
-                exp_avg.numel(), ")");
+    TORCH_CHECK(master->numel() == state_capacity(exp_avg), "ruda_torch.", op,
+                ": master must have as many elements as exp_avg holds (got ", master->numel(),
+                " vs ", state_capacity(exp_avg), ")");
   }
   // `rounding`: bit 0 stochastic rounding of the parameters, bit 1 of BF16 moments.
   TORCH_CHECK(rounding >= 0 && rounding <= 3, "ruda_torch.", op,
@@ -291,6 +309,16 @@ AdamWLaunch prepare_launch(
   L.master = master.has_value() ? master->data_ptr<float>() : nullptr;
   L.steps = steps.data_ptr<float>();
   L.state_dtype = dtype_of(sdtype);
+  L.exp_avg_scales = L.exp_avg_sq_scales = L.max_exp_avg_sq_scales = nullptr;
+  if (sdtype == at::kByte) {  // the scales follow the codes (Note [8-bit moments])
+    const int64_t codes = state_capacity(exp_avg);
+    auto scales_of = [codes](void* buffer) {
+      return reinterpret_cast<float*>(static_cast<uint8_t*>(buffer) + codes);
+    };
+    L.exp_avg_scales = scales_of(L.exp_avg);
+    L.exp_avg_sq_scales = scales_of(L.exp_avg_sq);
+    L.max_exp_avg_sq_scales = L.amsgrad ? scales_of(L.max_exp_avg_sq) : nullptr;
+  }
   L.rounding = (rounding & 1) != 0 ? Rounding::kStochastic : Rounding::kNearestEven;
   L.state_rounding = (rounding & 2) != 0 ? Rounding::kStochastic : Rounding::kNearestEven;
   L.seed = static_cast<uint64_t>(seed);
@@ -481,7 +509,8 @@ PreparedAdamW prepare_adamw(
       ", 2] (got ", slots.scalar_type(), " ", shape_str(slots), " on ", slots.device(), ")");
   if (n > 0 && grads[0].defined()) check_update_grad_dtype(op, grads[0], pdtype);
   const int64_t* slot = slots.data_ptr<int64_t>();
-  const int64_t state_numel = exp_avg.numel();
+  const int64_t state_numel = state_capacity(exp_avg);
+  const bool blocks8 = exp_avg.scalar_type() == at::kByte;
   const int64_t n_steps = steps.numel();
 
   prep.table.resize(n);
@@ -515,6 +544,11 @@ PreparedAdamW prepare_adamw(
     TORCH_CHECK(off >= 0 && off <= state_numel - numel, "ruda_torch.", op, ": slots[", i,
                 "] puts params[", i, "] (", numel, " elements) at offset ", off,
                 ", outside the state buffers of ", state_numel, " elements");
+    TORCH_CHECK(!blocks8 || off % kBlock8 == 0, "ruda_torch.", op, ": slots[", i, "] puts params[",
+                i, "] at offset ", off,
+                "; with 8-bit moments every slice "
+                "starts a block of ",
+                kBlock8, " elements");
     TORCH_CHECK(sid >= 0 && sid < n_steps, "ruda_torch.", op, ": slots[", i, "] step index ", sid,
                 " is outside steps (", n_steps, " counters)");
     if (numel > 0) slices.emplace_back(off, off + numel);

@@ -83,11 +83,6 @@ bool same_layout_of(const c10::TensorImpl& t, const int64_t** want, const int64_
   return true;
 }
 
-bool same_layout(PyObject* obj, const int64_t** want, const int64_t* end) {
-  return THPVariable_Check(obj) &&
-         same_layout_of(*THPVariable_Unpack(obj).unsafeGetTensorImpl(), want, end);
-}
-
 // Note [Exact views]
 // A view of a bucket buffer (a state view in optimizer.state, a flat gradient view that
 // is `p.grad`) is what the step reads and writes. Whether it still is that view is a fact

@@ -2,7 +2,9 @@
 //
 // Note [8-bit moments]
 // The format of state_precision="8bit" (issue 23; the optimizer option is not wired to it
-// yet, the operators quantize_8bit / dequantize_8bit are): a tensor is cut into blocks of
+// yet; the operators quantize_8bit / dequantize_8bit and adamw_scaled_ with uint8 moment
+// buffers, whose step decodes a block, updates it in FP32 and codes it again in one pass,
+// are): a tensor is cut into blocks of
 // kBlock8 = 256 consecutive elements (the last one shorter), each stored as one FP32
 // scale, the largest magnitude in the block, and one byte per element, the code of
 // q = x * (1 / scale) in a small floating-point format whose top binade is [1, 2):
@@ -37,11 +39,16 @@
 namespace ruda {
 
 constexpr int64_t kBlock8 = 256;
+// Bytes of a flat 8-bit moment buffer per block: the codes, and the block's FP32 scale
+// (the buffer holds all blocks' codes first, then all scales).
+constexpr int64_t kPacked8 = kBlock8 + 4;
 
 enum class Code8 : int64_t { kSigned = 0, kUnsigned = 1 };
 
 // The code of a >= 0 (finite, below 2) with kExp exponent and kMan mantissa bits, top
-// binade [1, 2): round to nearest, ties to even, on the FP32 bits.
+// binade [1, 2): round to nearest, ties to even, on the FP32 bits. Both ways are computed
+// and one selected, without branches, so that the CPU compiler vectorizes the loops over
+// a block (the results are those of the plain branches).
 template <int kExp, int kMan>
 RUDA_HOST_DEVICE inline uint32_t encode_magnitude(float a) {
   constexpr int32_t kTop = (1 << kExp) - 1;
@@ -49,16 +56,17 @@ RUDA_HOST_DEVICE inline uint32_t encode_magnitude(float a) {
   const uint32_t bits = float_bits(a);
   const int32_t e32 = static_cast<int32_t>(bits >> 23);
   const int32_t target = (e32 == 0 ? 1 : e32) - 127 + kTop;  // the code's biased exponent
-  if (target >= 1) {  // a normal code: drop the low mantissa bits, the carry may reach the exponent
-    const uint32_t r = bits + ((1u << (kDrop - 1)) - 1u) + ((bits >> kDrop) & 1u);
-    return (r >> kDrop) - (static_cast<uint32_t>(127 - kTop) << kMan);
-  }
-  // A subnormal code: the significand shifted right, rounded the same way (a value that
-  // rounds up to the smallest normal gets its code: the codes are in value order).
-  const uint32_t shift = static_cast<uint32_t>(static_cast<int32_t>(kDrop) + 1 - target);
-  if (shift >= 25) return 0;  // below half the smallest subnormal (the significand < 2^24)
+  // A normal code: drop the low mantissa bits; the carry may reach the exponent.
+  const uint32_t r = bits + ((1u << (kDrop - 1)) - 1u) + ((bits >> kDrop) & 1u);
+  const uint32_t normal = (r >> kDrop) - (static_cast<uint32_t>(127 - kTop) << kMan);
+  // A subnormal code: the significand shifted right and rounded the same way (a value
+  // that rounds up to the smallest normal gets its code: the codes are in value order);
+  // from a shift of 25 on, below half the smallest subnormal (the significand < 2^24).
+  const int32_t wanted = static_cast<int32_t>(kDrop) + 1 - target;
+  const uint32_t shift = static_cast<uint32_t>(wanted < 1 ? 1 : (wanted > 25 ? 25 : wanted));
   const uint32_t sig = (bits & 0x7FFFFFu) | (e32 == 0 ? 0u : 0x800000u);
-  return (sig + ((1u << (shift - 1)) - 1u) + ((sig >> shift) & 1u)) >> shift;
+  const uint32_t sub = (sig + ((1u << (shift - 1)) - 1u) + ((sig >> shift) & 1u)) >> shift;
+  return target >= 1 ? normal : sub;
 }
 
 // The value of a code of encode_magnitude(), exact in FP32.
@@ -67,11 +75,13 @@ RUDA_HOST_DEVICE inline float decode_magnitude(uint32_t code) {
   constexpr int32_t kTop = (1 << kExp) - 1;
   const uint32_t e = code >> kMan;
   const uint32_t f = code & ((1u << kMan) - 1u);
-  if (e == 0) {  // f * 2^(1 - kTop - kMan): a power of two times a small integer
-    return static_cast<float>(f) *
-           float_from_bits(static_cast<uint32_t>(127 + 1 - kTop - kMan) << 23);
-  }
-  return float_from_bits(((e + static_cast<uint32_t>(127 - kTop)) << 23) | (f << (23 - kMan)));
+  // e == 0: f * 2^(1 - kTop - kMan), a power of two times a small integer (both ways are
+  // computed, one selected, for vectorized loops).
+  const float sub =
+      static_cast<float>(f) * float_from_bits(static_cast<uint32_t>(127 + 1 - kTop - kMan) << 23);
+  const float normal =
+      float_from_bits(((e + static_cast<uint32_t>(127 - kTop)) << 23) | (f << (23 - kMan)));
+  return e == 0 ? sub : normal;
 }
 
 // The byte of q = x / scale (|q| <= 1 + 2^-23).
@@ -119,6 +129,51 @@ RUDA_HOST_DEVICE inline float block_inverse(float scale) {
 template <Code8 kCode>
 RUDA_HOST_DEVICE inline float dequantize8(uint8_t code, float scale) {
   return decode8<kCode>(code) * scale;
+}
+
+// n values (n <= kBlock8) of one block decoded into out.
+template <Code8 kCode>
+RUDA_HOST_DEVICE inline void decode_block(const uint8_t* codes, float scale, int64_t n,
+                                          float* out) {
+  for (int64_t j = 0; j < n; ++j) out[j] = dequantize8<kCode>(codes[j], scale);
+}
+
+#if !defined(__CUDA_ARCH__)
+// The CPU kernels' decode_block: each code's value from a table made by decode8() (so the
+// same bits), which the compiler turns into vector gathers where the arithmetic of
+// decode8 stays scalar.
+template <Code8 kCode>
+inline const float* decode_table() {
+  static const auto table = [] {
+    struct Table {
+      float v[256];
+    } t{};
+    for (uint32_t c = 0; c < 256; ++c) t.v[c] = decode8<kCode>(static_cast<uint8_t>(c));
+    return t;
+  }();
+  return table.v;
+}
+
+template <Code8 kCode>
+inline void decode_block_cpu(const uint8_t* codes, float scale, int64_t n, float* out) {
+  const float* table = decode_table<kCode>();
+  for (int64_t j = 0; j < n; ++j) out[j] = table[codes[j]] * scale;
+}
+#endif
+
+// n values (n <= kBlock8) of one block coded: its scale into *scale, the bytes into codes
+// (one thread's loops; the CUDA kernels share the work of a block between threads).
+template <Code8 kCode>
+RUDA_HOST_DEVICE inline void encode_block(const float* x, int64_t n, uint8_t* codes, float* scale) {
+  uint32_t largest = 0;
+  for (int64_t j = 0; j < n; ++j) {
+    const uint32_t m = magnitude_bits(x[j]);
+    largest = m > largest ? m : largest;
+  }
+  const float s = block_scale(largest);
+  *scale = s;
+  const float inverse = block_inverse(s);
+  for (int64_t j = 0; j < n; ++j) codes[j] = s > 0.0f ? encode8<kCode>(x[j] * inverse) : 0;
 }
 
 }  // namespace ruda

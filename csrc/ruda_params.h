@@ -33,7 +33,8 @@ static_assert(sizeof(TensorEntry) == 6 * sizeof(int64_t), "TensorEntry is copied
 
 // Element types of parameters and gradients. Statistics take the first three; the update
 // takes FP64 parameters with FP64 gradients (Note [Parameter dtypes] in adamw_math.h).
-enum class DType : int32_t { kFloat = 0, kHalf = 1, kBFloat16 = 2, kDouble = 3 };
+// kUInt8: 8-bit moment buffers (Note [8-bit moments] in csrc/quant8.h), never parameters.
+enum class DType : int32_t { kFloat = 0, kHalf = 1, kBFloat16 = 2, kDouble = 3, kUInt8 = 4 };
 
 // How an update computed in FP32 is written into a 16-bit parameter.
 enum class Rounding : int32_t { kNearestEven = 0, kStochastic = 1 };
@@ -75,8 +76,13 @@ struct AdamWLaunch {
   void* exp_avg_sq;
   void* max_exp_avg_sq;  // null without AMSGrad
   // kFloat (kDouble for FP64 parameters), or kBFloat16 for every moment buffer (Note
-  // [Low-precision states] in adamw_math.h).
+  // [Low-precision states] in adamw_math.h), or kUInt8: each moment buffer holds the codes
+  // of its elements, then one FP32 scale per block of 256 (Note [8-bit moments] in
+  // csrc/quant8.h), whose start the *_scales pointers give (null for other dtypes).
   DType state_dtype;
+  float* exp_avg_scales;
+  float* exp_avg_sq_scales;
+  float* max_exp_avg_sq_scales;
   float* master;  // FP32 master weights of 16-bit parameters, or null
   float* steps;
   Rounding rounding;        // 16-bit parameters without master weights

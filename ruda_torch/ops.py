@@ -51,7 +51,10 @@ def adamw_scaled_(
     otherwise, or BF16 moments for non-FP64 parameters (all three buffers BF16: Note
     [Low-precision states] in csrc/adamw_math.h), stored rounded as ``state_rounding``
     says: ``"stochastic"`` (random bits from ``seed``, the step counter, the element's
-    state offset and the moment) or ``"nearest"`` (even). ``grads`` share one dtype (FP32, FP16 or BF16 for FP32 parameters; the
+    state offset and the moment) or ``"nearest"`` (even). Or 8-bit moments: uint8
+    buffers of codes and scales (``pack_8bit``; every slice starts a block of 256; Note
+    [8-bit moments] in csrc/quant8.h), decoded, updated in FP32 and coded again with each
+    block's new scale in one pass, rounded to nearest. ``grads`` share one dtype (FP32, FP16 or BF16 for FP32 parameters; the
     parameters' dtype or FP32 for 16-bit ones; FP64 for FP64 ones), lay out their elements
     as their parameters do, and are never written.
 
@@ -271,6 +274,40 @@ def quantize_8bit(x: torch.Tensor, code: str) -> tuple[torch.Tensor, torch.Tenso
     scales = torch.empty(-(-x.numel() // BLOCK_8BIT), dtype=torch.float32, device=x.device)
     torch.ops.ruda_torch.quantize_8bit(x, codes, scales, c)
     return codes, scales
+
+
+def packed_8bit_bytes(numel: int) -> int:
+    """Bytes of a flat 8-bit moment buffer for ``numel`` elements (Note [8-bit moments] in
+    csrc/quant8.h): the codes of whole blocks of 256, then one FP32 scale per block."""
+    return -(-numel // BLOCK_8BIT) * (BLOCK_8BIT + 4)
+
+
+def pack_8bit(x: torch.Tensor, code: str) -> torch.Tensor:
+    """A flat 8-bit moment buffer (uint8, ``packed_8bit_bytes(x.numel())`` bytes) holding
+    ``x``'s codes, padded with zero codes to whole blocks, then the blocks' scales: what
+    ``adamw_scaled_`` takes as ``exp_avg`` / ``exp_avg_sq`` / ``max_exp_avg_sq`` for
+    8-bit moments."""
+    codes, scales = quantize_8bit(x, code)
+    n_blocks = scales.numel()
+    out = torch.zeros(packed_8bit_bytes(x.numel()), dtype=torch.uint8, device=x.device)
+    out[: codes.numel()] = codes.flatten()
+    out[n_blocks * BLOCK_8BIT :].view(torch.float32).copy_(scales)
+    return out
+
+
+def unpack_8bit(buffer: torch.Tensor, code: str, numel: int | None = None) -> torch.Tensor:
+    """The FP32 values of a flat 8-bit moment buffer (its first ``numel`` elements; all of
+    them by default)."""
+    n_blocks = buffer.numel() // (BLOCK_8BIT + 4)
+    if buffer.dtype != torch.uint8 or buffer.numel() != n_blocks * (BLOCK_8BIT + 4):
+        raise ValueError(
+            "ruda_torch.ops.unpack_8bit: buffer must be a uint8 tensor of whole blocks "
+            f"({BLOCK_8BIT + 4} bytes each), got {buffer.dtype} of {buffer.numel()} elements"
+        )
+    capacity = n_blocks * BLOCK_8BIT
+    numel = capacity if numel is None else numel
+    scales = buffer[capacity:].view(torch.float32)
+    return dequantize_8bit(buffer[:capacity], scales, code)[:numel]
 
 
 def dequantize_8bit(

@@ -33,6 +33,7 @@ COVERED = {
     "analyze_kernel": "test_analyze_matches_cpu",
     "merge_kernel": "test_merge_matches_cpu",
     "merge_chunks_kernel": "test_merge_chunks_matches_cpu",
+    "adamw8_kernel": "test_update_8bit_matches_cpu",
     "quantize8_kernel": "test_quantize_8bit_matches_cpu",
     "dequantize8_kernel": "test_quantize_8bit_matches_cpu",
 }
@@ -57,7 +58,8 @@ def schedule(request, sim):
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
     view = {torch.float32: torch.int32, torch.float64: torch.int64,
-            torch.float16: torch.int16, torch.bfloat16: torch.int16}  # fmt: skip
+            torch.float16: torch.int16, torch.bfloat16: torch.int16,
+            torch.uint8: torch.uint8}  # fmt: skip
     return t.contiguous().view(view[t.dtype])
 
 
@@ -196,6 +198,27 @@ def test_update_matches_cpu(sim, schedule, variant, unaligned):
                          clip_coef=torch.tensor([0.75]))  # fmt: skip
     _compare(cpu, emu, _vid(variant))
     assert cpu["steps"].tolist() == (torch.arange(len(SIZES)) * 3 + 1).float().tolist()
+
+
+@pytest.mark.parametrize(
+    "pdtype,amsgrad,master,rounding",
+    [(torch.float32, False, False, 0), (torch.float32, True, False, 0),
+     (torch.bfloat16, True, False, 1), (torch.float16, False, True, 0)],
+    ids=["fp32", "fp32-amsgrad", "bf16-amsgrad-stochastic", "fp16-master"],
+)  # fmt: skip
+def test_update_8bit_matches_cpu(sim, schedule, pdtype, amsgrad, master, rounding):
+    """8-bit moments (Note [8-bit moments] in csrc/quant8.h): the emulated kernel (a block of
+    threads per block of 256, the new scale reduced across warps) writes the CPU kernel's
+    parameters, masters, codes, scales and counters, with sizes that end mid-block."""
+    from test_quant8 import _bucket_8bit
+
+    sizes = [97, 0, 1025, 256, 4097]  # 4097: past a CUDA tile (4096)
+    params, grads, state, _ = _bucket_8bit(sizes, amsgrad, pdtype, seed=3, master=master)
+    state = dict(state, params=params, grads=grads)
+    cpu, emu = _run_both(sim, state, rounding=rounding, seed=11, grad_scale=torch.tensor([2.0]),
+                         clip_coef=torch.tensor([0.75]))  # fmt: skip
+    _compare(cpu, emu, f"8-bit {pdtype}")
+    assert not torch.equal(cpu["exp_avg"], state["exp_avg"])  # the step wrote codes
 
 
 @pytest.mark.parametrize("control", ["found_inf", "stats-skip", "stats-clip", "lr-tensor",

@@ -785,3 +785,29 @@ def test_quantize_8bit_cuda_matches_cpu_bitwise(code, numel):
     decoded = ops.dequantize_8bit(codes, scales, code)
     gpu_decoded = ops.dequantize_8bit(gpu_codes, gpu_scales, code).cpu()
     assert torch.equal(gpu_decoded.view(torch.int32), decoded.view(torch.int32))
+
+
+@pytest.mark.parametrize("amsgrad", [False, True], ids=["adamw", "amsgrad"])
+@pytest.mark.parametrize(
+    "param_dtype,master",
+    [(torch.float32, False), (torch.bfloat16, False), (torch.float16, True)],
+    ids=["fp32", "bf16", "fp16-master"],
+)
+def test_adamw_8bit_cuda_matches_cpu_bitwise(amsgrad, param_dtype, master):
+    """8-bit moments (Note [8-bit moments] in csrc/quant8.h): the GPU kernel (a warp per
+    block of 256) writes the CPU kernel's parameters, masters, codes, scales and counters."""
+    from test_quant8 import STEP_SIZES, _bucket_8bit, _step
+
+    params, grads, state, _ = _bucket_8bit(STEP_SIZES, amsgrad, param_dtype, master=master)
+    gpu_params = [p.cuda() for p in params]
+    gpu_grads = [g.cuda() for g in grads]
+    gpu_state = {k: (v.cuda() if isinstance(v, torch.Tensor) and k != "slots" else v)
+                 for k, v in state.items()}  # fmt: skip
+    for _ in range(2):
+        _step(params, grads, state)
+        _step(gpu_params, gpu_grads, gpu_state)
+    for p, q in zip(params, gpu_params, strict=True):
+        assert torch.equal(p, q.cpu())
+    for key, value in state.items():
+        if isinstance(value, torch.Tensor):
+            assert torch.equal(value, gpu_state[key].cpu()), key

@@ -931,7 +931,7 @@ BAD_INPUTS = [
     (
         "params_float64_with_float32_state",
         _set("params", lambda ps: [p.double() for p in ps]),
-        r"exp_avg must be float64 \(got Float\)",
+        r"exp_avg must be float64 \(got float32\)",
     ),
     (
         "grad_float64",
@@ -979,7 +979,7 @@ BAD_INPUTS = [
             setattr(c, "params", [p.bfloat16() for p in c.params]),
             _kw(master=lambda: torch.zeros(19))(c),
         ),
-        r"master must have as many elements as exp_avg \(got 19 vs 20\)",
+        r"master must have as many elements as exp_avg holds \(got 19 vs 20\)",
     ),
     (
         "master_float16",
@@ -987,7 +987,7 @@ BAD_INPUTS = [
             setattr(c, "params", [p.bfloat16() for p in c.params]),
             _kw(master=lambda: torch.zeros(20, dtype=torch.float16))(c),
         ),
-        r"master must be float32 \(got Half\)",
+        r"master must be float32 \(got float16\)",
     ),
     (
         "master_aliases_exp_avg",
@@ -1034,7 +1034,7 @@ BAD_INPUTS = [
     (
         "exp_avg_float64",
         _set("exp_avg", lambda t: t.double()),
-        r"exp_avg must be float32 \(got Double\)",
+        r"exp_avg must be float32 \(got float64\)",
     ),
     (
         "exp_avg_2d",

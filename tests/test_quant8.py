@@ -204,3 +204,135 @@ def test_opcheck(code):
     torch.library.opcheck(
         torch.ops.ruda_torch.dequantize_8bit, (*ops.quantize_8bit(x, code), torch.empty(600), c)
     )
+
+
+# ---- the 8-bit step: adamw_scaled_ with uint8 moment buffers (Note [8-bit moments]) ----
+
+BLOCK = ops.BLOCK_8BIT
+STEP_SIZES = [97, 0, 1025, 256, 4096, 16385, 65537]  # a CPU tile edge (16384) inside
+
+
+def _bucket_8bit(sizes, amsgrad, param_dtype=torch.float32, seed=0, master=False):
+    """Parameters, FP32 gradients, and 8-bit moment buffers of a bucket whose slices start
+    blocks; the moments are quantized from random FP32 values."""
+    gen = torch.Generator().manual_seed(seed)
+    offsets, total = [], 0
+    for n in sizes:
+        offsets.append(total)
+        total += -(-n // BLOCK) * BLOCK
+    params = [(torch.randn(n, generator=gen)).to(param_dtype) for n in sizes]
+    grads = [torch.randn(n, generator=gen) * 1e-2 for n in sizes]
+    grads = [g.to(param_dtype) for g in grads] if param_dtype != torch.float32 else grads
+    m = torch.randn(total, generator=gen) * 1e-2
+    v = torch.rand(total, generator=gen) ** 4 * 1e-4
+    vm = v * (1 + torch.rand(total, generator=gen))
+    for off, n in zip(offsets, sizes, strict=True):  # padding holds nothing
+        end = -(-(off + n) // BLOCK) * BLOCK
+        for t in (m, v, vm):
+            t[off + n : end] = 0
+    state = {
+        "exp_avg": ops.pack_8bit(m, "signed"),
+        "exp_avg_sq": ops.pack_8bit(v, "unsigned"),
+        "max_exp_avg_sq": ops.pack_8bit(vm, "unsigned") if amsgrad else None,
+        "steps": torch.arange(len(sizes), dtype=torch.float32) + 3.0,
+        "slots": torch.tensor([[off, i] for i, off in enumerate(offsets)]).reshape(-1, 2),
+        "master": None,
+    }
+    if master:
+        state["master"] = torch.randn(total, generator=gen)
+        for p, off, n in zip(params, offsets, sizes, strict=True):
+            state["master"][off : off + n] = p.float()
+    return params, grads, state, offsets
+
+
+def _step(params, grads, state, **kw):
+    ops.adamw_scaled_(params, grads, state["exp_avg"], state["exp_avg_sq"],
+                      state["max_exp_avg_sq"], state["steps"], state["slots"],
+                      lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=1e-2,
+                      master=state["master"], **kw)  # fmt: skip
+
+
+def _decoded(state):
+    """The same bucket with FP32 moment buffers holding the decoded 8-bit moments."""
+    out = dict(state)
+    out["exp_avg"] = ops.unpack_8bit(state["exp_avg"], "signed")
+    out["exp_avg_sq"] = ops.unpack_8bit(state["exp_avg_sq"], "unsigned")
+    if state["max_exp_avg_sq"] is not None:
+        out["max_exp_avg_sq"] = ops.unpack_8bit(state["max_exp_avg_sq"], "unsigned")
+    out["steps"] = state["steps"].clone()
+    out["master"] = None if state["master"] is None else state["master"].clone()
+    return out
+
+
+def _requantized(fp32_state, offsets, sizes, like):
+    """fp32_state's moments coded slice by slice (each slice its own blocks), packed as
+    `like`'s buffers: what the fused 8-bit step must have written."""
+    out = {}
+    for key, code in (("exp_avg", "signed"), ("exp_avg_sq", "unsigned"),
+                      ("max_exp_avg_sq", "unsigned")):  # fmt: skip
+        if like[key] is None:
+            continue
+        packed = like[key].clone()
+        capacity = packed.numel() // (BLOCK + 4) * BLOCK
+        scales = packed[capacity:].view(torch.float32)
+        for off, n in zip(offsets, sizes, strict=True):
+            if n == 0:
+                continue
+            codes, s = ops.quantize_8bit(fp32_state[key][off : off + n].contiguous(), code)
+            packed[off : off + n] = codes
+            scales[off // BLOCK : off // BLOCK + s.numel()] = s
+        out[key] = packed
+    return out
+
+
+@pytest.mark.parametrize("amsgrad", [False, True], ids=["adamw", "amsgrad"])
+@pytest.mark.parametrize(
+    "param_dtype,master",
+    [(torch.float32, False), (torch.bfloat16, False), (torch.float16, True)],
+    ids=["fp32", "bf16", "fp16-master"],
+)
+def test_8bit_step_is_the_fp32_step_on_decoded_moments(amsgrad, param_dtype, master):
+    """One fused pass equals: decode the moments, the FP32 kernel, code the new moments
+    with each block's new scale; parameters, masters, codes, scales and counters bit for
+    bit, over three steps, with sizes that end mid-block and cross a CPU tile."""
+    params, grads, state, offsets = _bucket_8bit(STEP_SIZES, amsgrad, param_dtype, master=master)
+    ref_params = [p.clone() for p in params]
+    for step in range(3):
+        ref = _decoded(state)
+        _step(ref_params, grads, ref)
+        want = _requantized(ref, offsets, STEP_SIZES, state)
+        _step(params, grads, state)
+        for p, q in zip(params, ref_params, strict=True):
+            assert torch.equal(p.view(torch.int16 if p.element_size() == 2 else torch.int32),
+                               q.view(torch.int16 if q.element_size() == 2 else torch.int32))  # fmt: skip
+        for key, packed in want.items():
+            assert torch.equal(state[key], packed), f"{key} at step {step}"
+        assert torch.equal(state["steps"], ref["steps"])
+        if master:
+            assert torch.equal(state["master"], ref["master"])
+        for p, q in zip(params, ref_params, strict=True):  # the next step starts equal
+            q.copy_(p)
+
+
+def test_8bit_step_skipped_writes_nothing():
+    params, grads, state, _ = _bucket_8bit([1025, 97], amsgrad=True)
+    before = {k: v.clone() for k, v in state.items() if isinstance(v, torch.Tensor)}
+    p_before = [p.clone() for p in params]
+    _step(params, grads, state, found_inf=torch.ones(1))
+    for k, v in before.items():
+        assert torch.equal(state[k], v), k
+    assert all(torch.equal(p, q) for p, q in zip(params, p_before, strict=True))
+
+
+def test_8bit_buffers_are_checked():
+    params, grads, state, _ = _bucket_8bit([1025, 97], amsgrad=False)
+    state["exp_avg"] = state["exp_avg"][:-1]
+    with pytest.raises(RuntimeError, match="8-bit moment buffers .* 260 bytes per block"):
+        _step(params, grads, state)
+    params, grads, state, _ = _bucket_8bit([1025, 97], amsgrad=False)
+    state["slots"][1, 0] = 1024 + 16  # inside the first slice's last block, and unaligned
+    with pytest.raises(RuntimeError, match="starts a block of 256"):
+        _step(params, grads, state)
+    params, grads, state, _ = _bucket_8bit([300], amsgrad=False)
+    with pytest.raises(RuntimeError, match="exp_avg_sq must be uint8"):
+        _step(params, grads, {**state, "exp_avg_sq": torch.zeros(512)})

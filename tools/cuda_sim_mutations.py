@@ -75,6 +75,13 @@ MUTATIONS = [
     ("warp shuffle offset off by one", "grad_stats_cuda.cu",
      _replace("__shfl_down_sync(kAll, v.sum_sq, s)", "__shfl_down_sync(kAll, v.sum_sq, s + 1)"),
      "analyze_matches_cpu and forward", None),
+    ("8-bit block scale without the last butterfly level", "cuda_utils.cuh",
+     _replace("for (int s = 16; s > 0; s >>= 1) {\n    const uint32_t other = __shfl_xor_sync",
+              "for (int s = 16; s > 1; s >>= 1) {\n    const uint32_t other = __shfl_xor_sync"),
+     "update_8bit_matches_cpu and forward and fp32-amsgrad", None),
+    ("8-bit step reads the scale of the slice's first block", "adamw_cuda.cu",
+     _replace("const int64_t b = (off + kb) / kBlock8;", "const int64_t b = off / kBlock8;"),
+     "update_8bit_matches_cpu and forward and fp32-amsgrad", None),
 ]  # fmt: skip
 
 

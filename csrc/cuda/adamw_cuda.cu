@@ -12,6 +12,7 @@
 #include "adamw_math.h"
 #include "cuda_utils.cuh"
 #include "kernels.h"
+#include "quant8.h"
 
 namespace ruda {
 namespace {
@@ -123,9 +124,13 @@ __device__ inline void store_moments(S* p, const float* in, Rounding r, const ui
   }
 }
 
+// Element k's update with its moments in mk, vk, vmk (updated in place); the parameter
+// (and master) read and written.
 template <typename P, typename G, typename S, bool AMSGRAD>
-__device__ inline void update_one(const Slice<P, G, S>& s, int64_t k, const StepCoefs<MathOf<P>>& c,
-                                  const AdamWLaunch& L, uint32_t key, int64_t index) {
+__device__ inline void step_element(const Slice<P, G, S>& s, int64_t k,
+                                    const StepCoefs<MathOf<P>>& c, const AdamWLaunch& L,
+                                    uint32_t key, int64_t index, MathOf<P>& mk, MathOf<P>& vk,
+                                    MathOf<P>& vmk) {
   using M = MathOf<P>;
   M pk;
   if constexpr (kIs16Bit<P>) {
@@ -135,7 +140,6 @@ __device__ inline void update_one(const Slice<P, G, S>& s, int64_t k, const Step
   } else {
     pk = s.p[k];
   }
-  M mk = load_moment(s.m, k), vk = load_moment(s.v, k), vmk = AMSGRAD ? load_moment(s.vm, k) : M(0);
   adamw_element<AMSGRAD, ScalarOps>(pk, to_math(s.g[k]), mk, vk, vmk, c);
   if constexpr (kIs16Bit<P>) {
     if (s.master != nullptr) s.master[k] = pk;
@@ -143,6 +147,14 @@ __device__ inline void update_one(const Slice<P, G, S>& s, int64_t k, const Step
   } else {
     s.p[k] = pk;
   }
+}
+
+template <typename P, typename G, typename S, bool AMSGRAD>
+__device__ inline void update_one(const Slice<P, G, S>& s, int64_t k, const StepCoefs<MathOf<P>>& c,
+                                  const AdamWLaunch& L, uint32_t key, int64_t index) {
+  using M = MathOf<P>;
+  M mk = load_moment(s.m, k), vk = load_moment(s.v, k), vmk = AMSGRAD ? load_moment(s.vm, k) : M(0);
+  step_element<P, G, S, AMSGRAD>(s, k, c, L, key, index, mk, vk, vmk);
   const MomentBits r = moment_bits<S, AMSGRAD>(s, index);
   store_moment(s.m, k, mk, s.state_rounding, r.mv);
   store_moment(s.v, k, vk, s.state_rounding, r.mv >> 16);
@@ -250,6 +262,68 @@ __global__ void __launch_bounds__(kThreads) adamw_kernel(AdamWLaunch L) {
   }
 }
 
+// Note [8-bit moments] in csrc/quant8.h: each warp steps one block of kBlock8 elements at
+// a time (store_block8 in cuda_utils.cuh: lane l the elements l, l + 32, ...), decoded to
+// FP32, stepped by adamw_element as FP32 moments, coded again with the block's new scale.
+static_assert(kCudaTile % kBlock8 == 0, "tiles are whole 8-bit blocks");
+constexpr int kWarps8 = kThreads / 32;
+
+template <typename P, typename G, bool AMSGRAD>
+__global__ void __launch_bounds__(kThreads) adamw8_kernel(AdamWLaunch L) {
+  const StepDecision d = decide_step(L.control);
+  if (d.skip) return;  // parameters, moments and step counters stay bit-identical
+  const int warp = static_cast<int>(threadIdx.x / 32), lane = static_cast<int>(threadIdx.x % 32);
+  for (int64_t u = blockIdx.x; u < L.n_units; u += gridDim.x) {
+    const int64_t i = find_tensor(L.table, L.n_tensors, u);
+    const TensorEntry e = L.table[i];
+    const int64_t t = step_count(L.steps[e.step_index]);  // Note [Step counter range]
+    const StepCoefs<float> c = make_coefs<float>(L.hyper, d.factor, t);
+    const uint32_t key = rounding_key(L.seed, t);  // Note [Stochastic rounding bits]
+    const int64_t begin = (u - e.unit_start) * kCudaTile;
+    const int64_t end = min(begin + kCudaTile, e.numel);
+    const int64_t off = e.state_offset;
+    Slice<P, G, float> s;
+    s.p = static_cast<P*>(e.param);
+    s.g = static_cast<const G*>(e.grad);
+    s.m = s.v = s.vm = nullptr;  // in registers
+    s.master = kIs16Bit<P> && L.master != nullptr ? L.master + off : nullptr;
+    s.state_rounding = Rounding::kNearestEven;
+    s.key_mv = s.key_vm = 0;
+    uint8_t* mc = static_cast<uint8_t*>(L.exp_avg) + off;
+    uint8_t* vc = static_cast<uint8_t*>(L.exp_avg_sq) + off;
+    uint8_t* vmc = AMSGRAD ? static_cast<uint8_t*>(L.max_exp_avg_sq) + off : nullptr;
+    for (int64_t kb = begin + warp * kBlock8; kb < end; kb += kWarps8 * kBlock8) {
+      const int64_t b = (off + kb) / kBlock8;
+      // Read before lane 0 writes the new scales: each value feeds the shuffles below.
+      const float sm = L.exp_avg_scales[b], sv = L.exp_avg_sq_scales[b];
+      const float svm = AMSGRAD ? L.max_exp_avg_sq_scales[b] : 0.0f;
+      float m[kPerLane8], v[kPerLane8], vm[kPerLane8];
+#pragma unroll
+      for (int j = 0; j < kPerLane8; ++j) {
+        const int64_t k = kb + lane + 32 * j;
+        m[j] = v[j] = vm[j] = 0.0f;
+        if (k < end) {
+          m[j] = dequantize8<Code8::kSigned>(mc[k], sm);
+          v[j] = dequantize8<Code8::kUnsigned>(vc[k], sv);
+          if (AMSGRAD) vm[j] = dequantize8<Code8::kUnsigned>(vmc[k], svm);
+          step_element<P, G, float, AMSGRAD>(s, k, c, L, key, off + k, m[j], v[j], vm[j]);
+        }
+      }
+      store_block8<Code8::kSigned>(m, kb, end, mc, L.exp_avg_scales + b);
+      store_block8<Code8::kUnsigned>(v, kb, end, vc, L.exp_avg_sq_scales + b);
+      if (AMSGRAD) store_block8<Code8::kUnsigned>(vm, kb, end, vmc, L.max_exp_avg_sq_scales + b);
+    }
+  }
+}
+
+template <typename P, typename G>
+void launch_8bit(const AdamWLaunch& L, cudaStream_t stream) {
+  const auto kernel = L.amsgrad ? adamw8_kernel<P, G, true> : adamw8_kernel<P, G, false>;
+  const int64_t grid = std::min<int64_t>(L.n_units, max_resident_blocks(kernel, kThreads));
+  launch_kernel(kernel, static_cast<unsigned>(grid), kThreads, stream, L);
+  RUDA_CUDA_CHECK_LAUNCH();
+}
+
 template <typename P, typename G, typename S>
 void launch_state(const AdamWLaunch& L, cudaStream_t stream) {
   const auto kernel = L.amsgrad ? adamw_kernel<P, G, S, true> : adamw_kernel<P, G, S, false>;
@@ -265,6 +339,7 @@ void launch(const AdamWLaunch& L, cudaStream_t stream) {
   if (L.n_units == 0) return;
   if constexpr (!std::is_same_v<P, double>) {
     if (L.state_dtype == DType::kBFloat16) return launch_state<P, G, __nv_bfloat16>(L, stream);
+    if (L.state_dtype == DType::kUInt8) return launch_8bit<P, G>(L, stream);
   }
   launch_state<P, G, MathOf<P>>(L, stream);
 }
@@ -306,6 +381,8 @@ void adamw_cuda(const AdamWLaunch& L, void* stream_ptr) {
       return launch_param<__nv_bfloat16>(L, stream);
     case DType::kDouble:
       return launch_param<double>(L, stream);
+    case DType::kUInt8:  // a state dtype, never a parameter's (the binding)
+      return;
   }
 }
 

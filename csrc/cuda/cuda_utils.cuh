@@ -14,6 +14,8 @@
 #include <type_traits>
 #include <utility>
 
+#include "quant8.h"
+
 #define RUDA_CUDA_CHECK(expr)                               \
   do {                                                      \
     cudaError_t err_ = (expr);                              \
@@ -117,6 +119,44 @@ __device__ inline void store_vec(float* p, const float* in) {
 // Launches `kernel` as `grid` blocks of `threads` threads on `stream`: `<<<...>>>` under
 // nvcc; on the emulated device when the kernels are built as host C++ for the tests (Note
 // [CUDA emulation] in csrc/cuda_sim/cuda_sim.h). Every launch of csrc/cuda goes through it.
+// Note [8-bit moments] in csrc/quant8.h, on the GPU: one warp codes one block of kBlock8
+// elements, lane l holding elements l, l + 32, ... (kPerLane8 of them, coalesced), so that
+// the block's scale is a butterfly of shuffles (every lane gets it) and no barrier or
+// shared memory is needed. The maximum is of the magnitudes' bits: any order gives the
+// CPU kernels' scale.
+constexpr int kPerLane8 = static_cast<int>(kBlock8) / 32;
+
+__device__ inline uint32_t warp_largest(uint32_t bits) {
+#pragma unroll
+  for (int s = 16; s > 0; s >>= 1) {
+    const uint32_t other = __shfl_xor_sync(0xffffffffu, bits, s);
+    bits = other > bits ? other : bits;
+  }
+  return bits;
+}
+
+// The warp's block at `kb` (elements before `end` only) coded from x[j] = element
+// kb + lane + 32 j: its bytes into codes[k], its scale into *scale (by lane 0).
+template <Code8 kCode>
+__device__ inline void store_block8(const float* x, int64_t kb, int64_t end, uint8_t* codes,
+                                    float* scale) {
+  const int lane = static_cast<int>(threadIdx.x % 32);
+  uint32_t largest = 0;
+#pragma unroll
+  for (int j = 0; j < kPerLane8; ++j) {
+    const uint32_t m = kb + lane + 32 * j < end ? magnitude_bits(x[j]) : 0u;
+    largest = m > largest ? m : largest;
+  }
+  const float s = block_scale(warp_largest(largest));
+  if (lane == 0) *scale = s;
+  const float inverse = block_inverse(s);
+#pragma unroll
+  for (int j = 0; j < kPerLane8; ++j) {
+    const int64_t k = kb + lane + 32 * j;
+    if (k < end) codes[k] = s > 0.0f ? encode8<kCode>(x[j] * inverse) : 0;
+  }
+}
+
 template <typename... Params, typename... Args>
 inline void launch_kernel(void (*kernel)(Params...), unsigned grid, unsigned threads,
                           cudaStream_t stream, const Args&... args) {

@@ -1,7 +1,6 @@
 // CUDA kernels of quantize_8bit and dequantize_8bit (Note [8-bit moments] in
-// csrc/quant8.h): one block of kBlock8 threads per block of the code, an element per
-// thread; the scale is the maximum of the magnitudes' bits (warp shuffles, then the
-// warps' results in shared memory), which any order reduces to the CPU kernels' bits.
+// csrc/quant8.h): a warp codes a block (store_block8, csrc/cuda/cuda_utils.cuh); decoding
+// is an element per thread.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -13,30 +12,24 @@
 namespace ruda {
 namespace {
 
-constexpr int kQuant8Threads = static_cast<int>(kBlock8);
+constexpr int kQuant8Threads = 256;
 constexpr int kQuant8Warps = kQuant8Threads / 32;
 
+// A warp per block (store_block8 in cuda_utils.cuh).
 template <Code8 kCode>
 __global__ void quantize8_kernel(const float* x, uint8_t* codes, float* scales, int64_t n) {
-  __shared__ uint32_t s_largest[kQuant8Warps];
+  const int64_t warps = int64_t(gridDim.x) * kQuant8Warps;
+  const int lane = static_cast<int>(threadIdx.x % 32);
   const int64_t blocks = (n + kBlock8 - 1) / kBlock8;
-  for (int64_t b = blockIdx.x; b < blocks; b += gridDim.x) {
-    const int64_t k = b * kBlock8 + threadIdx.x;
-    const float value = k < n ? x[k] : 0.0f;
-    uint32_t largest = magnitude_bits(value);
+  for (int64_t b = blockIdx.x * int64_t(kQuant8Warps) + threadIdx.x / 32; b < blocks; b += warps) {
+    const int64_t kb = b * kBlock8;
+    float values[kPerLane8];
 #pragma unroll
-    for (int s = 16; s > 0; s >>= 1) {
-      const uint32_t other = __shfl_down_sync(0xffffffffu, largest, s);
-      largest = other > largest ? other : largest;
+    for (int j = 0; j < kPerLane8; ++j) {
+      const int64_t k = kb + lane + 32 * j;
+      values[j] = k < n ? x[k] : 0.0f;
     }
-    if (threadIdx.x % 32 == 0) s_largest[threadIdx.x / 32] = largest;
-    __syncthreads();
-    uint32_t all = 0;
-    for (int w = 0; w < kQuant8Warps; ++w) all = s_largest[w] > all ? s_largest[w] : all;
-    const float scale = block_scale(all);
-    if (threadIdx.x == 0) scales[b] = scale;
-    if (k < n) codes[k] = scale > 0.0f ? encode8<kCode>(value * block_inverse(scale)) : 0;
-    __syncthreads();  // s_largest is the next block's
+    store_block8<kCode>(values, kb, n, codes, scales + b);
   }
 }
 
@@ -50,9 +43,10 @@ __global__ void dequantize8_kernel(const uint8_t* codes, const float* scales, fl
   }
 }
 
+// `per_block`: blocks of the code that one block of threads takes at a time.
 template <typename Kernel, typename... Args>
-void launch_quant8(Kernel kernel, int64_t n, void* stream, const Args&... args) {
-  const int64_t blocks = (n + kBlock8 - 1) / kBlock8;
+void launch_quant8(Kernel kernel, int64_t per_block, int64_t n, void* stream, const Args&... args) {
+  const int64_t blocks = (n + kBlock8 * per_block - 1) / (kBlock8 * per_block);
   const int64_t grid = std::min<int64_t>(blocks, max_resident_blocks(kernel, kQuant8Threads));
   launch_kernel(kernel, static_cast<unsigned>(grid), kQuant8Threads,
                 static_cast<cudaStream_t>(stream), args..., n);
@@ -63,9 +57,11 @@ void launch_quant8(Kernel kernel, int64_t n, void* stream, const Args&... args) 
 
 void quantize_8bit_cuda(const Quant8Launch& L, void* stream) {
   if (static_cast<Code8>(L.code) == Code8::kSigned) {
-    launch_quant8(quantize8_kernel<Code8::kSigned>, L.n, stream, L.x, L.codes, L.scales);
+    launch_quant8(quantize8_kernel<Code8::kSigned>, kQuant8Warps, L.n, stream, L.x, L.codes,
+                  L.scales);
   } else {
-    launch_quant8(quantize8_kernel<Code8::kUnsigned>, L.n, stream, L.x, L.codes, L.scales);
+    launch_quant8(quantize8_kernel<Code8::kUnsigned>, kQuant8Warps, L.n, stream, L.x, L.codes,
+                  L.scales);
   }
 }
 
@@ -73,9 +69,9 @@ void dequantize_8bit_cuda(const Quant8Launch& L, void* stream) {
   const uint8_t* codes = L.codes;
   const float* scales = L.scales;
   if (static_cast<Code8>(L.code) == Code8::kSigned) {
-    launch_quant8(dequantize8_kernel<Code8::kSigned>, L.n, stream, codes, scales, L.out);
+    launch_quant8(dequantize8_kernel<Code8::kSigned>, 1, L.n, stream, codes, scales, L.out);
   } else {
-    launch_quant8(dequantize8_kernel<Code8::kUnsigned>, L.n, stream, codes, scales, L.out);
+    launch_quant8(dequantize8_kernel<Code8::kUnsigned>, 1, L.n, stream, codes, scales, L.out);
   }
 }
 

@@ -24,9 +24,9 @@
 //     already overwritten) in one of the two orders, and the results differ;
 //   - kConcurrent: all threads run at once with std::barrier, for ThreadSanitizer, which
 //     reports a shared-memory access that no barrier orders (tools/cuda_sim_check.sh).
-//   `__syncthreads()` is a barrier of the block's threads; `__shfl_down_sync` a warp
-//   exchange (each lane publishes its value, the 32 lanes meet, each reads lane + delta,
-//   they meet again): what the kernels rely on (full-warp masks, warp-uniform calls).
+//   `__syncthreads()` is a barrier of the block's threads; `__shfl_down_sync` and
+//   `__shfl_xor_sync` a warp exchange (each lane publishes its value, the 32 lanes meet, each reads
+//   lane + delta, they meet again): what the kernels rely on (full-warp masks, warp-uniform calls).
 // * Arithmetic is the host's IEEE FP32/FP64 without contraction (-ffp-contract=off):
 //   what nvcc's --fmad=false -prec-div=true -prec-sqrt=true gives (Note [No FMA
 //   contraction] in setup.py). FP16/BF16 conversions are integer operations on the bits.
@@ -301,10 +301,11 @@ inline void launch(unsigned grid, unsigned threads, const std::function<void()>&
   }
 }
 
-// The warp exchange of __shfl_down_sync: lane + delta's value, or the caller's own past
-// the warp (as the hardware returns it).
-template <typename T>
-inline T shfl_down(T v, unsigned delta) {
+// A warp exchange: each lane publishes v, the lanes meet, each reads the value of lane
+// source(lane), or keeps its own where that is past the warp (as the hardware returns
+// it), and they meet again.
+template <typename T, typename Source>
+inline T shfl(T v, Source source) {
   static_assert(sizeof(T) == sizeof(float), "the kernels shuffle 32-bit values");
   ThreadCtx& c = ctx();
   Block& b = *c.block;
@@ -314,11 +315,24 @@ inline T shfl_down(T v, unsigned delta) {
   b.sync_warp(c.tid);
   const int lane = c.tid % kWarp;
   const int w = c.tid / kWarp;
+  const int from = source(lane);
   T out = v;
-  if (lane + static_cast<int>(delta) < b.warp_size(w))
-    std::memcpy(&out, &b.slots[c.tid + delta], sizeof(out));
+  if (from >= 0 && from < b.warp_size(w))
+    std::memcpy(&out, &b.slots[c.tid - lane + from], sizeof(out));
   b.sync_warp(c.tid);
   return out;
+}
+
+// __shfl_down_sync: lane + delta's value.
+template <typename T>
+inline T shfl_down(T v, unsigned delta) {
+  return shfl(v, [delta](int lane) { return lane + static_cast<int>(delta); });
+}
+
+// __shfl_xor_sync: lane ^ mask's value (the butterfly of an all-lanes reduction).
+template <typename T>
+inline T shfl_xor(T v, unsigned lane_mask) {
+  return shfl(v, [lane_mask](int lane) { return lane ^ static_cast<int>(lane_mask); });
 }
 
 }  // namespace ruda_sim
@@ -337,6 +351,12 @@ template <typename T>
 inline T __shfl_down_sync(unsigned mask, T v, unsigned delta) {
   if (mask != 0xffffffffu) throw std::logic_error("the emulation shuffles full warps only");
   return ::ruda_sim::shfl_down(v, delta);
+}
+
+template <typename T>
+inline T __shfl_xor_sync(unsigned mask, T v, unsigned lane_mask) {
+  if (mask != 0xffffffffu) throw std::logic_error("the emulation shuffles full warps only");
+  return ::ruda_sim::shfl_xor(v, lane_mask);
 }
 
 inline cudaError_t cudaDeviceGetAttribute(int* value, cudaDeviceAttr attr, int) {

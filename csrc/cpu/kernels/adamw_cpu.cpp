@@ -13,6 +13,7 @@
 #include "adamw_math.h"
 #include "cpu/kernels/vec_load.h"
 #include "kernels.h"
+#include "quant8.h"
 
 namespace ruda {
 namespace {
@@ -195,42 +196,43 @@ constexpr bool kVectorUpdate = true;
 // states] in adamw_math.h). Loads widen exactly; stores round.
 template <typename M, typename S>
 struct MomentStore {
-  S* base;
+  S* base;  // element k of the range is base[k - origin]
   Rounding rounding;
+  int64_t origin = 0;
 
   using V = at::vec::Vectorized<M>;
   static constexpr bool kBf16 = std::is_same_v<S, c10::BFloat16>;
 
   inline V load(int64_t k) const {
     if constexpr (kBf16) {
-      return cpu::load_fp32<c10::BFloat16>(base + k);
+      return cpu::load_fp32<c10::BFloat16>(base + (k - origin));
     } else {
-      return V::loadu(base + k);
+      return V::loadu(base + (k - origin));
     }
   }
   // `random`: each lane's random bits in its low 16 (stochastic rounding only).
   inline void store(const V& x, int64_t k, const VI& random) const {
     if constexpr (kBf16) {
-      uint16_t* bits = reinterpret_cast<uint16_t*>(base + k);
+      uint16_t* bits = reinterpret_cast<uint16_t*>(base + (k - origin));
       store_low16(rounding == Rounding::kStochastic ? round_bf16_stochastic_vec(x, random)
                                                     : round_bf16_nearest_vec(x),
                   bits);
     } else {
-      x.store(base + k);
+      x.store(base + (k - origin));
     }
   }
   inline M get(int64_t k) const {
     if constexpr (kBf16) {
-      return widen_bf16(reinterpret_cast<const uint16_t*>(base)[k]);
+      return widen_bf16(reinterpret_cast<const uint16_t*>(base)[k - origin]);
     } else {
-      return base[k];
+      return base[k - origin];
     }
   }
   inline void set(M x, int64_t k, uint32_t random) const {
     if constexpr (kBf16) {
-      reinterpret_cast<uint16_t*>(base)[k] = round_moment(x, rounding, random);
+      reinterpret_cast<uint16_t*>(base)[k - origin] = round_moment(x, rounding, random);
     } else {
-      base[k] = x;
+      base[k - origin] = x;
     }
   }
 };
@@ -246,10 +248,11 @@ inline std::pair<VI, VI> moment_bits_vec(uint32_t key_mv, uint32_t key_vm, int64
   }
 }
 
-// Elements [begin, end) of one tensor at step t.
+// Elements [begin, end) of one tensor at step t, its moments in m, v, vm.
 template <typename P, typename G, typename S, bool AMSGRAD>
-void update_range(const AdamWLaunch& L, const TensorEntry& e, const StepCoefs<MathOf<P>>& c,
-                  int64_t t, int64_t begin, int64_t end) {
+void update_span(const AdamWLaunch& L, const TensorEntry& e, const StepCoefs<MathOf<P>>& c,
+                 int64_t t, int64_t begin, int64_t end, const MomentStore<MathOf<P>, S>& m,
+                 const MomentStore<MathOf<P>, S>& v, const MomentStore<MathOf<P>, S>& vm) {
   using M = MathOf<P>;
   using V = at::vec::Vectorized<M>;
   constexpr int64_t W = V::size();
@@ -259,9 +262,6 @@ void update_range(const AdamWLaunch& L, const TensorEntry& e, const StepCoefs<Ma
   const G* g = static_cast<const G*>(e.grad);
   const int64_t off = e.state_offset;
   const Rounding sr = L.state_rounding;
-  const MomentStore<M, S> m{static_cast<S*>(L.exp_avg) + off, sr};
-  const MomentStore<M, S> v{static_cast<S*>(L.exp_avg_sq) + off, sr};
-  const MomentStore<M, S> vm{AMSGRAD ? static_cast<S*>(L.max_exp_avg_sq) + off : nullptr, sr};
   const uint32_t key_mv = moment_key(L.seed, t, Moment::kAverages);
   const uint32_t key_vm = moment_key(L.seed, t, Moment::kMaxExpAvgSq);
   float* master = kIs16Bit<P> && L.master != nullptr ? L.master + off : nullptr;
@@ -316,9 +316,9 @@ void update_range(const AdamWLaunch& L, const TensorEntry& e, const StepCoefs<Ma
     for (; k + kLineElems <= end; k += kLineElems) {
       __builtin_prefetch(p + k + kPrefetchElems, 1);  // written back: fetch for writing
       __builtin_prefetch(g + k + kPrefetchElems, 0);
-      __builtin_prefetch(m.base + k + kPrefetchElems, 1);
-      __builtin_prefetch(v.base + k + kPrefetchElems, 1);
-      if (AMSGRAD) __builtin_prefetch(vm.base + k + kPrefetchElems, 1);
+      __builtin_prefetch(m.base + (k - m.origin) + kPrefetchElems, 1);
+      __builtin_prefetch(v.base + (k - v.origin) + kPrefetchElems, 1);
+      if (AMSGRAD) __builtin_prefetch(vm.base + (k - vm.origin) + kPrefetchElems, 1);
       if (master != nullptr) __builtin_prefetch(master + k + kPrefetchElems, 1);
       for (int64_t j = k; j < k + kLineElems; j += W) update_vec(j);
     }
@@ -348,6 +348,51 @@ void update_range(const AdamWLaunch& L, const TensorEntry& e, const StepCoefs<Ma
     m.set(mk, k, r_mv);
     v.set(vk, k, r_mv >> 16);
     if (AMSGRAD) vm.set(vmk, k, r_vm);
+  }
+}
+
+// Note [8-bit moments] in csrc/quant8.h: each block of the range is decoded to FP32,
+// stepped by update_span exactly as FP32 moments are (the parameter takes the moments as
+// computed in FP32), and coded again with its new scale. The blocks are the state
+// buffer's: a slice starts a block (the binding checks it) and a range starts a tile.
+template <typename P, typename G, bool AMSGRAD>
+void update_range8(const AdamWLaunch& L, const TensorEntry& e, const StepCoefs<float>& c, int64_t t,
+                   int64_t begin, int64_t end) {
+  const int64_t off = e.state_offset;
+  uint8_t* mc = static_cast<uint8_t*>(L.exp_avg) + off;
+  uint8_t* vc = static_cast<uint8_t*>(L.exp_avg_sq) + off;
+  uint8_t* vmc = AMSGRAD ? static_cast<uint8_t*>(L.max_exp_avg_sq) + off : nullptr;
+  alignas(64) float mf[kBlock8], vf[kBlock8], vmf[kBlock8];
+  for (int64_t kb = begin; kb < end; kb += kBlock8) {
+    const int64_t n = std::min(kBlock8, end - kb);
+    const int64_t b = (off + kb) / kBlock8;
+    decode_block_cpu<Code8::kSigned>(mc + kb, L.exp_avg_scales[b], n, mf);
+    decode_block_cpu<Code8::kUnsigned>(vc + kb, L.exp_avg_sq_scales[b], n, vf);
+    if (AMSGRAD) decode_block_cpu<Code8::kUnsigned>(vmc + kb, L.max_exp_avg_sq_scales[b], n, vmf);
+    const MomentStore<float, float> m{mf, Rounding::kNearestEven, kb};
+    const MomentStore<float, float> v{vf, Rounding::kNearestEven, kb};
+    const MomentStore<float, float> vm{AMSGRAD ? vmf : nullptr, Rounding::kNearestEven, kb};
+    update_span<P, G, float, AMSGRAD>(L, e, c, t, kb, kb + n, m, v, vm);
+    encode_block<Code8::kSigned>(mf, n, mc + kb, L.exp_avg_scales + b);
+    encode_block<Code8::kUnsigned>(vf, n, vc + kb, L.exp_avg_sq_scales + b);
+    if (AMSGRAD) encode_block<Code8::kUnsigned>(vmf, n, vmc + kb, L.max_exp_avg_sq_scales + b);
+  }
+}
+
+// Elements [begin, end) of one tensor at step t, its moments where the launch keeps them.
+template <typename P, typename G, typename S, bool AMSGRAD>
+void update_range(const AdamWLaunch& L, const TensorEntry& e, const StepCoefs<MathOf<P>>& c,
+                  int64_t t, int64_t begin, int64_t end) {
+  if constexpr (std::is_same_v<S, uint8_t>) {
+    update_range8<P, G, AMSGRAD>(L, e, c, t, begin, end);
+  } else {
+    using M = MathOf<P>;
+    const int64_t off = e.state_offset;
+    const Rounding sr = L.state_rounding;
+    const MomentStore<M, S> m{static_cast<S*>(L.exp_avg) + off, sr};
+    const MomentStore<M, S> v{static_cast<S*>(L.exp_avg_sq) + off, sr};
+    const MomentStore<M, S> vm{AMSGRAD ? static_cast<S*>(L.max_exp_avg_sq) + off : nullptr, sr};
+    update_span<P, G, S, AMSGRAD>(L, e, c, t, begin, end, m, v, vm);
   }
 }
 
@@ -387,12 +432,13 @@ void run_amsgrad(const AdamWLaunch& L, float factor) {
   }
 }
 
-// The moments' storage type: the math type, or BF16 (not for FP64 parameters: the binding
-// refuses it).
+// The moments' storage type: the math type, or BF16, or 8-bit codes (not for FP64
+// parameters: the binding refuses them).
 template <typename P, typename G>
 void run_state(const AdamWLaunch& L, float factor) {
   if constexpr (!std::is_same_v<P, double>) {
     if (L.state_dtype == DType::kBFloat16) return run_amsgrad<P, G, c10::BFloat16>(L, factor);
+    if (L.state_dtype == DType::kUInt8) return run_amsgrad<P, G, uint8_t>(L, factor);
   }
   run_amsgrad<P, G, MathOf<P>>(L, factor);
 }
@@ -435,6 +481,8 @@ void adamw_cpu(const AdamWLaunch& L) {
       return run_param<c10::BFloat16>(L, d.factor);
     case DType::kDouble:
       return run_param<double>(L, d.factor);
+    case DType::kUInt8:  // a state dtype, never a parameter's (the binding)
+      return;
   }
 }
 

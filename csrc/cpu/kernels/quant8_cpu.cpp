@@ -20,18 +20,7 @@ void quantize_blocks(const Quant8Launch& L) {
     for (int64_t b = b_begin; b < b_end; ++b) {
       const int64_t begin = b * kBlock8;
       const int64_t n = std::min(kBlock8, L.n - begin);
-      const float* x = L.x + begin;
-      uint8_t* codes = L.codes + begin;
-      uint32_t largest = 0;
-      for (int64_t k = 0; k < n; ++k) largest = std::max(largest, magnitude_bits(x[k]));
-      const float scale = block_scale(largest);
-      L.scales[b] = scale;
-      if (!(scale > 0.0f)) {  // stored as zeros, or a block with a NaN or an infinity
-        std::fill(codes, codes + n, uint8_t{0});
-        continue;
-      }
-      const float inverse = block_inverse(scale);
-      for (int64_t k = 0; k < n; ++k) codes[k] = encode8<kCode>(x[k] * inverse);
+      encode_block<kCode>(L.x + begin, n, L.codes + begin, L.scales + b);
     }
   });
 }
@@ -43,10 +32,7 @@ void dequantize_blocks(const Quant8Launch& L) {
     for (int64_t b = b_begin; b < b_end; ++b) {
       const int64_t begin = b * kBlock8;
       const int64_t n = std::min(kBlock8, L.n - begin);
-      const float scale = L.scales[b];
-      for (int64_t k = 0; k < n; ++k) {
-        L.out[begin + k] = dequantize8<kCode>(L.codes[begin + k], scale);
-      }
+      decode_block_cpu<kCode>(L.codes + begin, L.scales[b], n, L.out + begin);
     }
   });
 }
