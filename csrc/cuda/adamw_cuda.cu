@@ -213,19 +213,40 @@ __device__ inline void update_vec(const Slice<P, G, S>& s, int64_t k, const Step
   if (AMSGRAD) store_moments(s.vm + k, vmv, s.state_rounding, r_vm);
 }
 
+// What a tile (unit u) of an update launch steps: its tensor, the coefficients and
+// rounding key of the tensor's counter, and its element range [begin, end).
+template <typename M>
+struct Tile {
+  TensorEntry e;
+  int64_t t;
+  StepCoefs<M> c;
+  uint32_t key;
+  int64_t begin, end;
+};
+
+template <typename M>
+__device__ inline Tile<M> tile_of(const AdamWLaunch& L, int64_t u, float factor) {
+  Tile<M> tile;
+  tile.e = L.table[find_tensor(L.table, L.n_tensors, u)];
+  tile.t = step_count(L.steps[tile.e.step_index]);  // Note [Step counter range]
+  tile.c = make_coefs<M>(L.hyper, factor, tile.t);
+  tile.key = rounding_key(L.seed, tile.t);  // Note [Stochastic rounding bits]
+  tile.begin = (u - tile.e.unit_start) * kCudaTile;
+  tile.end = min(tile.begin + kCudaTile, tile.e.numel);
+  return tile;
+}
+
 template <typename P, typename G, typename S, bool AMSGRAD>
 __global__ void __launch_bounds__(kThreads) adamw_kernel(AdamWLaunch L) {
   using M = MathOf<P>;
   const StepDecision d = decide_step(L.control);
   if (d.skip) return;  // parameters, moments and step counters stay bit-identical
   for (int64_t u = blockIdx.x; u < L.n_units; u += gridDim.x) {
-    const int64_t i = find_tensor(L.table, L.n_tensors, u);
-    const TensorEntry e = L.table[i];
-    const int64_t t = step_count(L.steps[e.step_index]);  // Note [Step counter range]
-    const StepCoefs<M> c = make_coefs<M>(L.hyper, d.factor, t);
-    const uint32_t key = rounding_key(L.seed, t);  // Note [Stochastic rounding bits]
-    const int64_t begin = (u - e.unit_start) * kCudaTile;
-    const int64_t end = min(begin + kCudaTile, e.numel);
+    const Tile<M> tile = tile_of<M>(L, u, d.factor);
+    const TensorEntry& e = tile.e;
+    const int64_t t = tile.t, begin = tile.begin, end = tile.end;
+    const StepCoefs<M>& c = tile.c;
+    const uint32_t key = tile.key;
     Slice<P, G, S> s;
     s.p = static_cast<P*>(e.param);
     s.g = static_cast<const G*>(e.grad);
@@ -274,17 +295,13 @@ __global__ void __launch_bounds__(kThreads) adamw8_kernel(AdamWLaunch L) {
   if (d.skip) return;  // parameters, moments and step counters stay bit-identical
   const int warp = static_cast<int>(threadIdx.x / 32), lane = static_cast<int>(threadIdx.x % 32);
   for (int64_t u = blockIdx.x; u < L.n_units; u += gridDim.x) {
-    const int64_t i = find_tensor(L.table, L.n_tensors, u);
-    const TensorEntry e = L.table[i];
-    const int64_t t = step_count(L.steps[e.step_index]);  // Note [Step counter range]
-    const StepCoefs<float> c = make_coefs<float>(L.hyper, d.factor, t);
-    const uint32_t key = rounding_key(L.seed, t);  // Note [Stochastic rounding bits]
-    const int64_t begin = (u - e.unit_start) * kCudaTile;
-    const int64_t end = min(begin + kCudaTile, e.numel);
-    const int64_t off = e.state_offset;
+    const Tile<float> tile = tile_of<float>(L, u, d.factor);
+    const int64_t begin = tile.begin, end = tile.end, off = tile.e.state_offset;
+    const StepCoefs<float>& c = tile.c;
+    const uint32_t key = tile.key;
     Slice<P, G, float> s;
-    s.p = static_cast<P*>(e.param);
-    s.g = static_cast<const G*>(e.grad);
+    s.p = static_cast<P*>(tile.e.param);
+    s.g = static_cast<const G*>(tile.e.grad);
     s.m = s.v = s.vm = nullptr;  // in registers
     s.master = kIs16Bit<P> && L.master != nullptr ? L.master + off : nullptr;
     s.state_rounding = Rounding::kNearestEven;

@@ -13,27 +13,29 @@ namespace {
 
 constexpr int64_t kBlocksPerTask = 64;  // 16384 elements, a CPU tile (kCpuTile)
 
-template <Code8 kCode>
-void quantize_blocks(const Quant8Launch& L) {
-  const int64_t blocks = (L.n + kBlock8 - 1) / kBlock8;
+// f(b, begin, n) for every block b of n elements from `begin`, blocks in parallel.
+template <typename F>
+void for_each_block(int64_t numel, const F& f) {
+  const int64_t blocks = (numel + kBlock8 - 1) / kBlock8;
   at::parallel_for(0, blocks, kBlocksPerTask, [&](int64_t b_begin, int64_t b_end) {
     for (int64_t b = b_begin; b < b_end; ++b) {
       const int64_t begin = b * kBlock8;
-      const int64_t n = std::min(kBlock8, L.n - begin);
-      encode_block<kCode>(L.x + begin, n, L.codes + begin, L.scales + b);
+      f(b, begin, std::min(kBlock8, numel - begin));
     }
   });
 }
 
 template <Code8 kCode>
+void quantize_blocks(const Quant8Launch& L) {
+  for_each_block(L.n, [&](int64_t b, int64_t begin, int64_t n) {
+    encode_block<kCode>(L.x + begin, n, L.codes + begin, L.scales + b);
+  });
+}
+
+template <Code8 kCode>
 void dequantize_blocks(const Quant8Launch& L) {
-  const int64_t blocks = (L.n + kBlock8 - 1) / kBlock8;
-  at::parallel_for(0, blocks, kBlocksPerTask, [&](int64_t b_begin, int64_t b_end) {
-    for (int64_t b = b_begin; b < b_end; ++b) {
-      const int64_t begin = b * kBlock8;
-      const int64_t n = std::min(kBlock8, L.n - begin);
-      decode_block_cpu<kCode>(L.codes + begin, L.scales[b], n, L.out + begin);
-    }
+  for_each_block(L.n, [&](int64_t b, int64_t begin, int64_t n) {
+    decode_block_cpu<kCode>(L.codes + begin, L.scales[b], n, L.out + begin);
   });
 }
 
