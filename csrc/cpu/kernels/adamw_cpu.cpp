@@ -251,8 +251,10 @@ inline std::pair<VI, VI> moment_bits_vec(uint32_t key_mv, uint32_t key_vm, int64
 // Elements [begin, end) of one tensor at step t, its moments in m, v, vm.
 template <typename P, typename G, typename S, bool AMSGRAD>
 void update_span(const AdamWLaunch& L, const TensorEntry& e, const StepCoefs<MathOf<P>>& c,
-                 int64_t t, int64_t begin, int64_t end, const MomentStore<MathOf<P>, S>& m,
-                 const MomentStore<MathOf<P>, S>& v, const MomentStore<MathOf<P>, S>& vm) {
+                 int64_t t, int64_t begin, int64_t end, const MomentStore<MathOf<P>, S> m,
+                 const MomentStore<MathOf<P>, S> v, const MomentStore<MathOf<P>, S> vm) {
+  // The stores by value: locals the compiler knows no parameter store can change, so
+  // their pointers stay in registers (as when this loop built them itself).
   using M = MathOf<P>;
   using V = at::vec::Vectorized<M>;
   constexpr int64_t W = V::size();
