@@ -131,17 +131,10 @@ RUDA_HOST_DEVICE inline float dequantize8(uint8_t code, float scale) {
   return decode8<kCode>(code) * scale;
 }
 
-// n values (n <= kBlock8) of one block decoded into out.
-template <Code8 kCode>
-RUDA_HOST_DEVICE inline void decode_block(const uint8_t* codes, float scale, int64_t n,
-                                          float* out) {
-  for (int64_t j = 0; j < n; ++j) out[j] = dequantize8<kCode>(codes[j], scale);
-}
-
 #if !defined(__CUDA_ARCH__)
-// The CPU kernels' decode_block: each code's value from a table made by decode8() (so the
-// same bits), which the compiler turns into vector gathers where the arithmetic of
-// decode8 stays scalar.
+// The CPU kernels' decoding of n values (n <= kBlock8) of one block into out: each code's
+// value from a table made by decode8() (so dequantize8's bits), which the compiler turns
+// into vector gathers where the arithmetic of decode8 stays scalar.
 template <Code8 kCode>
 inline const float* decode_table() {
   static const auto table = [] {
