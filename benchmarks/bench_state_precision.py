@@ -6,9 +6,8 @@ Variants, the same FP32 parameters and gradients for each (its own copy):
   torch_fused      torch.optim.AdamW(fused=True), FP32 moments (the anchor)
   ours_fp32        ruda_torch.AdamW(fused_step=True), FP32 moments
   ours_bf16        ruda_torch.AdamW(fused_step=True, state_precision="bf16")
-  ours_8bit_kernel the 8-bit fused pass (Note [8-bit moments] in csrc/quant8.h) through
-                   ruda_torch.ops.adamw_scaled_ on one bucket of 8-bit moment buffers
-                   (state_precision="8bit" is not an optimizer option yet)
+  ours_8bit        ruda_torch.AdamW(fused_step=True, state_precision="8bit"): blockwise
+                   8-bit moments (Note [8-bit moments] in csrc/quant8.h)
   torchao_8bit     torchao.optim.AdamW8bit (where torchao is installed; skipped otherwise)
   torch_fused_bf16 torch's fused step with BF16 moment tensors (torch 2.13/2.14 refuse it on
                    the CPU; the refusal is reported, and on a GPU it runs)
@@ -43,7 +42,7 @@ from bench_adamw import environment, parse_elements  # noqa: E402
 import ruda_torch  # noqa: E402
 
 HYPER = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2)
-TRAFFIC = {"torch_fused": 28, "ours_fp32": 28, "ours_bf16": 20, "ours_8bit_kernel": 16,
+TRAFFIC = {"torch_fused": 28, "ours_fp32": 28, "ours_bf16": 20, "ours_8bit": 16,
            "torchao_8bit": 16, "torch_fused_bf16": 20, "stream_add": 12}  # fmt: skip
 
 
@@ -68,30 +67,6 @@ def state_bytes(opt: torch.optim.Optimizer) -> int:
     return total
 
 
-def _kernel_8bit(params, sizes: list[int]):
-    """The 8-bit fused step over one bucket (every tensor's slice starts a block: the sizes
-    are multiples of 256); (step function, state bytes)."""
-    from ruda_torch import ops
-
-    zeros = torch.zeros(sum(sizes))
-    m, v = ops.pack_8bit(zeros, "signed"), ops.pack_8bit(zeros, "unsigned")
-    steps = torch.zeros(len(sizes))
-    offsets = [0]
-    for s in sizes[:-1]:
-        offsets.append(offsets[-1] + s)
-    slots = torch.tensor([[off, i] for i, off in enumerate(offsets)], dtype=torch.int64)
-    grads = [p.grad for p in params]
-    beta1, beta2 = HYPER["betas"]
-
-    @torch.no_grad()
-    def step():
-        ops.adamw_scaled_(params, grads, m, v, None, steps, slots, lr=HYPER["lr"], beta1=beta1,
-                          beta2=beta2, eps=HYPER["eps"], weight_decay=HYPER["weight_decay"])  # fmt: skip
-
-    step()
-    return step, m.numel() + v.numel()
-
-
 def build(name: str, sizes: list[int]):
     """(step function, optimizer) of a variant, or (None, reason) where it cannot run."""
     params = make_params(sizes, seed=0)
@@ -101,6 +76,8 @@ def build(name: str, sizes: list[int]):
         opt = ruda_torch.AdamW(params, fused_step=True, **HYPER)
     elif name == "ours_bf16":
         opt = ruda_torch.AdamW(params, fused_step=True, state_precision="bf16", **HYPER)
+    elif name == "ours_8bit":
+        opt = ruda_torch.AdamW(params, fused_step=True, state_precision="8bit", **HYPER)
     elif name == "torchao_8bit":
         try:
             from torchao.optim import AdamW8bit
@@ -115,8 +92,6 @@ def build(name: str, sizes: list[int]):
                 "exp_avg": torch.zeros_like(p, dtype=torch.bfloat16),
                 "exp_avg_sq": torch.zeros_like(p, dtype=torch.bfloat16),
             }
-    elif name == "ours_8bit_kernel":
-        return _kernel_8bit(params, sizes)
     elif name == "stream_add":
         a, b = torch.randn(sum(sizes)), torch.randn(sum(sizes)) * 1e-9
         return (lambda: a.add_(b)), None
@@ -151,7 +126,7 @@ def main(argv=None) -> int:
         "torch_fused",
         "ours_fp32",
         "ours_bf16",
-        "ours_8bit_kernel",
+        "ours_8bit",
         "torchao_8bit",
         "torch_fused_bf16",
         "stream_add",
@@ -169,8 +144,6 @@ def main(argv=None) -> int:
         steps[name] = fn
         if isinstance(opt, torch.optim.Optimizer):
             bytes_per[name] = state_bytes(opt) / n
-        elif isinstance(opt, int):  # the bytes of a kernel-level variant's state
-            bytes_per[name] = opt / n
     times = {name: [] for name in steps}
     order = list(steps)
     for s in range(args.samples):

@@ -9,6 +9,8 @@ same initialization, batches and learning-rate schedule for every optimizer:
   fp32               ruda_torch.AdamW(fused_step=True), FP32 moments (the reference)
   bf16               state_precision="bf16" (moments rounded stochastically: the default)
   bf16_nearest       state_precision="bf16", state_rounding="nearest"
+  8bit               state_precision="8bit" (blockwise 8-bit moments for tensors of at
+                     least 4,096 elements, as torchao's)
   torch              torch.optim.AdamW (FP32 moments)
   torchao_8bit       torchao.optim.AdamW8bit (where torchao is installed)
 
@@ -104,6 +106,8 @@ def make_optimizer(name: str, params):
         kw["state_precision"] = "bf16"
     if name == "bf16_nearest":
         kw["state_rounding"] = "nearest"
+    if name == "8bit":
+        kw["state_precision"] = "8bit"
     return ruda_torch.AdamW(params, **HYPER, **kw)
 
 
@@ -177,7 +181,7 @@ def main(argv=None) -> int:
     ap.add_argument("--max-bytes", type=int, default=8_000_000, help="training text (bytes)")
     ap.add_argument("--val-windows", type=int, default=512)
     ap.add_argument("--seeds", default="0", help="comma-separated: initialization and batch order")
-    ap.add_argument("--runs", default="fp32,bf16,bf16_nearest,torch,torchao_8bit")
+    ap.add_argument("--runs", default="fp32,bf16,bf16_nearest,8bit,torch,torchao_8bit")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
     train_data, val_data, n_train, n_val = corpus(args.max_bytes)

@@ -97,10 +97,11 @@ void check_flat(const char* op, const at::Tensor& t, const char* name, const at:
   check_same_device(op, t, name, device);
 }
 
-// Elements a flat moment buffer holds: its length, or for 8-bit moments (uint8, Note [8-bit
-// moments] in csrc/quant8.h) the codes before the scales.
-int64_t state_capacity(const at::Tensor& moments) {
-  if (moments.scalar_type() != at::kByte) return moments.numel();
+// Elements a flat moment buffer holds: its length, or for packed 8-bit moments (uint8
+// without separate `scales`, Note [8-bit moments] in csrc/quant8.h) the codes before the
+// scales.
+int64_t state_capacity(const at::Tensor& moments, const std::optional<at::Tensor>& scales) {
+  if (moments.scalar_type() != at::kByte || scales.has_value()) return moments.numel();
   return moments.numel() / kPacked8 * kBlock8;
 }
 
@@ -201,15 +202,18 @@ DType dtype_of(at::ScalarType t) {
 // state buffers and the device-resident controls, for `n` parameters of `pdtype` with
 // `gdtype` gradients on `device`. Shared by prepare_adamw and the flat-gradient path
 // (prepare_flat_step), which keeps its table between steps.
-AdamWLaunch prepare_launch(
-    const char* op, size_t n, const at::Device& device, at::ScalarType pdtype,
-    at::ScalarType gdtype, const at::Tensor& exp_avg, const at::Tensor& exp_avg_sq,
-    const std::optional<at::Tensor>& max_exp_avg_sq, const at::Tensor& steps,
-    const std::optional<at::Tensor>& grad_scale, const std::optional<at::Tensor>& found_inf,
-    const std::optional<at::Tensor>& stats, const std::optional<at::Tensor>& clip_coef, double lr,
-    double beta1, double beta2, double eps, double weight_decay, double max_grad_norm,
-    bool maximize, const std::optional<at::Tensor>& master,
-    const std::optional<at::Tensor>& lr_tensor, int64_t rounding, int64_t seed, bool decoupled) {
+AdamWLaunch prepare_launch(const char* op, size_t n, const at::Device& device,
+                           at::ScalarType pdtype, at::ScalarType gdtype, const at::Tensor& exp_avg,
+                           const at::Tensor& exp_avg_sq,
+                           const std::optional<at::Tensor>& max_exp_avg_sq, const at::Tensor& steps,
+                           const std::optional<at::Tensor>& grad_scale,
+                           const std::optional<at::Tensor>& found_inf,
+                           const std::optional<at::Tensor>& stats,
+                           const std::optional<at::Tensor>& clip_coef, double lr, double beta1,
+                           double beta2, double eps, double weight_decay, double max_grad_norm,
+                           bool maximize, const std::optional<at::Tensor>& master,
+                           const std::optional<at::Tensor>& lr_tensor, int64_t rounding,
+                           int64_t seed, bool decoupled, const std::optional<at::Tensor>& scales) {
   check_hyper(lr, lr >= 0.0, "learning rate (lr >= 0)");
   check_hyper(beta1, beta1 >= 0.0 && beta1 < 1.0, "beta1 (0 <= beta1 < 1)");
   check_hyper(beta2, beta2 >= 0.0 && beta2 < 1.0, "beta2 (0 <= beta2 < 1)");
@@ -227,11 +231,25 @@ AdamWLaunch prepare_launch(
                                 : exp_avg.scalar_type() == at::kBFloat16 ? at::kBFloat16
                                 : exp_avg.scalar_type() == at::kByte     ? at::kByte
                                                                          : at::kFloat;
-  if (sdtype == at::kByte) {
+  const int64_t capacity = state_capacity(exp_avg, scales);
+  const int64_t n_moments = max_exp_avg_sq.has_value() ? 3 : 2;
+  if (sdtype == at::kByte && scales.has_value()) {
+    TORCH_CHECK(exp_avg.numel() % kBlock8 == 0, "ruda_torch.", op,
+                ": with scales, 8-bit moment buffers (uint8) hold the codes of whole blocks of ",
+                kBlock8, " elements (got ", exp_avg.numel(), ")");
+    check_flat(op, *scales, "scales", device);
+    TORCH_CHECK(scales->numel() >= n_moments * (capacity / kBlock8), "ruda_torch.", op,
+                ": scales must hold one float32 per block of each of the ", n_moments, " moments (",
+                n_moments * (capacity / kBlock8), "), got ", scales->numel());
+  } else if (sdtype == at::kByte) {
     TORCH_CHECK(exp_avg.numel() % kPacked8 == 0, "ruda_torch.", op,
                 ": 8-bit moment buffers (uint8) hold ", kPacked8, " bytes per block of ", kBlock8,
                 " elements: the codes, then one float32 scale per block (got ", exp_avg.numel(),
-                " bytes; see ruda_torch.ops.packed_8bit_bytes)");
+                " bytes; see ruda_torch.ops.packed_8bit_bytes), or pass the scales separately");
+  } else {
+    TORCH_CHECK(!scales.has_value(), "ruda_torch.", op,
+                ": scales are for 8-bit (uint8) moments; exp_avg is ", dtype_name(sdtype),
+                " (pass scales=None)");
   }
   check_flat(op, exp_avg, "exp_avg", device, sdtype);
   check_flat(op, exp_avg_sq, "exp_avg_sq", device, sdtype);
@@ -251,9 +269,9 @@ AdamWLaunch prepare_launch(
                 "bfloat16 parameters; params are ",
                 dtype_name(pdtype), " (pass master=None)");
     check_flat(op, *master, "master", device);
-    TORCH_CHECK(master->numel() == state_capacity(exp_avg), "ruda_torch.", op,
+    TORCH_CHECK(master->numel() == capacity, "ruda_torch.", op,
                 ": master must have as many elements as exp_avg holds (got ", master->numel(),
-                " vs ", state_capacity(exp_avg), ")");
+                " vs ", capacity, ")");
   }
   // `rounding`: bit 0 stochastic rounding of the parameters, bit 1 of BF16 moments.
   TORCH_CHECK(rounding >= 0 && rounding <= 3, "ruda_torch.", op,
@@ -310,10 +328,15 @@ AdamWLaunch prepare_launch(
   L.steps = steps.data_ptr<float>();
   L.state_dtype = dtype_of(sdtype);
   L.exp_avg_scales = L.exp_avg_sq_scales = L.max_exp_avg_sq_scales = nullptr;
-  if (sdtype == at::kByte) {  // the scales follow the codes (Note [8-bit moments])
-    const int64_t codes = state_capacity(exp_avg);
-    auto scales_of = [codes](void* buffer) {
-      return reinterpret_cast<float*>(static_cast<uint8_t*>(buffer) + codes);
+  if (sdtype == at::kByte && scales.has_value()) {  // one run of scales per moment
+    float* run = scales->data_ptr<float>();
+    const int64_t blocks = capacity / kBlock8;
+    L.exp_avg_scales = run;
+    L.exp_avg_sq_scales = run + blocks;
+    L.max_exp_avg_sq_scales = L.amsgrad ? run + 2 * blocks : nullptr;
+  } else if (sdtype == at::kByte) {  // the scales follow the codes (Note [8-bit moments])
+    auto scales_of = [capacity](void* buffer) {
+      return reinterpret_cast<float*>(static_cast<uint8_t*>(buffer) + capacity);
     };
     L.exp_avg_scales = scales_of(L.exp_avg);
     L.exp_avg_sq_scales = scales_of(L.exp_avg_sq);
@@ -336,7 +359,8 @@ std::unique_ptr<FlatBucket> make_flat_bucket(
     std::vector<at::Tensor> owners, std::vector<at::Tensor> params, std::vector<at::Tensor> views,
     const at::Tensor& grad, const at::Tensor& exp_avg, const at::Tensor& exp_avg_sq,
     const std::optional<at::Tensor>& max_exp_avg_sq, const at::Tensor& steps,
-    const at::Tensor& slots, const std::optional<at::Tensor>& master) {
+    const at::Tensor& slots, const std::optional<at::Tensor>& master,
+    const std::optional<at::Tensor>& scales) {
   const char* op = "flat_bucket";
   TORCH_CHECK(owners.size() == params.size() && views.size() == params.size(), "ruda_torch.", op,
               ": owners, params and views must have one entry per parameter");
@@ -348,7 +372,7 @@ std::unique_ptr<FlatBucket> make_flat_bucket(
   PreparedAdamW prep =
       prepare_adamw(params, views, exp_avg, exp_avg_sq, max_exp_avg_sq, steps, slots, std::nullopt,
                     std::nullopt, std::nullopt, std::nullopt, 0.0, 0.9, 0.999, 0.0, 0.0, 0.0, false,
-                    master, std::nullopt, 0, 0, /*decoupled=*/true, unit);
+                    master, std::nullopt, 0, 0, /*decoupled=*/true, scales, unit);
   const auto g0 = reinterpret_cast<uintptr_t>(grad.data_ptr());
   const auto g1 = g0 + static_cast<uintptr_t>(grad.numel()) * grad.element_size();
   for (size_t i = 0; i < views.size(); ++i) {
@@ -367,6 +391,7 @@ std::unique_ptr<FlatBucket> make_flat_bucket(
   fb->steps = steps;
   fb->max_exp_avg_sq = max_exp_avg_sq;
   fb->master = master;
+  fb->scales = scales;
   fb->device = device;
   fb->pdtype = fb->params.empty() ? at::kFloat : fb->params[0].scalar_type();
   fb->unit = unit;
@@ -469,7 +494,7 @@ AdamWLaunch prepare_flat_step(const FlatBucket& fb, bool amsgrad,
       "adamw_scaled_", fb.active.size(), fb.device, fb.pdtype, fb.grad.scalar_type(), fb.exp_avg,
       fb.exp_avg_sq, amsgrad ? fb.max_exp_avg_sq : std::nullopt, fb.steps, grad_scale, found_inf,
       stats, clip_coef, lr, beta1, beta2, eps, weight_decay, max_grad_norm, maximize, fb.master,
-      lr_tensor, rounding, seed, decoupled);
+      lr_tensor, rounding, seed, decoupled, fb.scales);
   int64_t units = 0;
   if (!fb.active.empty()) {
     const TensorEntry& e = fb.active.back();
@@ -487,7 +512,8 @@ PreparedAdamW prepare_adamw(
     const std::optional<at::Tensor>& clip_coef, double lr, double beta1, double beta2, double eps,
     double weight_decay, double max_grad_norm, bool maximize,
     const std::optional<at::Tensor>& master, const std::optional<at::Tensor>& lr_tensor,
-    int64_t rounding, int64_t seed, bool decoupled, int64_t unit) {
+    int64_t rounding, int64_t seed, bool decoupled, const std::optional<at::Tensor>& scales,
+    int64_t unit) {
   const char* op = "adamw_scaled_";
   const size_t n = params.size();
   TORCH_CHECK(grads.size() == n, "ruda_torch.", op, ": grads has ", grads.size(),
@@ -501,7 +527,7 @@ PreparedAdamW prepare_adamw(
   prep.launch =
       prepare_launch(op, n, device, pdtype, gdtype, exp_avg, exp_avg_sq, max_exp_avg_sq, steps,
                      grad_scale, found_inf, stats, clip_coef, lr, beta1, beta2, eps, weight_decay,
-                     max_grad_norm, maximize, master, lr_tensor, rounding, seed, decoupled);
+                     max_grad_norm, maximize, master, lr_tensor, rounding, seed, decoupled, scales);
   TORCH_CHECK(
       slots.device().is_cpu() && slots.scalar_type() == at::kLong && slots.dim() == 2 &&
           slots.size(0) == static_cast<int64_t>(n) && slots.size(1) == 2 && slots.is_contiguous(),
@@ -509,7 +535,7 @@ PreparedAdamW prepare_adamw(
       ", 2] (got ", slots.scalar_type(), " ", shape_str(slots), " on ", slots.device(), ")");
   if (n > 0 && grads[0].defined()) check_update_grad_dtype(op, grads[0], pdtype);
   const int64_t* slot = slots.data_ptr<int64_t>();
-  const int64_t state_numel = state_capacity(exp_avg);
+  const int64_t state_numel = state_capacity(exp_avg, scales);
   const bool blocks8 = exp_avg.scalar_type() == at::kByte;
   const int64_t n_steps = steps.numel();
 
@@ -577,6 +603,7 @@ PreparedAdamW prepare_adamw(
   written.push_back(span_of(exp_avg_sq, "exp_avg_sq"));
   if (max_exp_avg_sq.has_value()) written.push_back(span_of(*max_exp_avg_sq, "max_exp_avg_sq"));
   if (master.has_value()) written.push_back(span_of(*master, "master"));
+  if (scales.has_value()) written.push_back(span_of(*scales, "scales"));
   written.push_back(span_of(steps, "steps"));
   check_no_aliasing(op, std::move(written), read_only);
   prep.launch.n_units = units;
@@ -593,11 +620,11 @@ void check_adamw_scaled(at::TensorList params, at::TensorList grads, const at::T
                         double beta2, double eps, double weight_decay, double max_grad_norm,
                         bool maximize, const std::optional<at::Tensor>& master,
                         const std::optional<at::Tensor>& lr_tensor, int64_t rounding, int64_t seed,
-                        bool decoupled) {
+                        bool decoupled, const std::optional<at::Tensor>& scales) {
   // The unit only sizes the work split, which validation does not use.
   prepare_adamw(params, grads, exp_avg, exp_avg_sq, max_exp_avg_sq, steps, slots, grad_scale,
                 found_inf, stats, clip_coef, lr, beta1, beta2, eps, weight_decay, max_grad_norm,
-                maximize, master, lr_tensor, rounding, seed, decoupled, /*unit=*/1);
+                maximize, master, lr_tensor, rounding, seed, decoupled, scales, /*unit=*/1);
 }
 
 PreparedStats prepare_analyze(at::TensorList grads, const std::optional<at::Tensor>& grad_scale,

@@ -35,7 +35,8 @@ PreparedAdamW prepare_adamw(
     const std::optional<at::Tensor>& clip_coef, double lr, double beta1, double beta2, double eps,
     double weight_decay, double max_grad_norm, bool maximize,
     const std::optional<at::Tensor>& master, const std::optional<at::Tensor>& lr_tensor,
-    int64_t rounding, int64_t seed, bool decoupled, int64_t unit);
+    int64_t rounding, int64_t seed, bool decoupled, const std::optional<at::Tensor>& scales,
+    int64_t unit);
 
 // check_adamw_scaled: prepare_adamw for its errors alone (any backend; writes nothing).
 void check_adamw_scaled(at::TensorList params, at::TensorList grads, const at::Tensor& exp_avg,
@@ -48,7 +49,7 @@ void check_adamw_scaled(at::TensorList params, at::TensorList grads, const at::T
                         double beta2, double eps, double weight_decay, double max_grad_norm,
                         bool maximize, const std::optional<at::Tensor>& master,
                         const std::optional<at::Tensor>& lr_tensor, int64_t rounding, int64_t seed,
-                        bool decoupled);
+                        bool decoupled, const std::optional<at::Tensor>& scales);
 
 PreparedStats prepare_analyze(at::TensorList grads, const std::optional<at::Tensor>& grad_scale,
                               const at::Tensor& rows);
@@ -82,7 +83,7 @@ struct FlatBucket {
   std::vector<at::Tensor> views;   // the gradient views, in the flat buffer
   at::Tensor grad;                 // the flat gradient buffer
   at::Tensor exp_avg, exp_avg_sq, steps;
-  std::optional<at::Tensor> max_exp_avg_sq, master;
+  std::optional<at::Tensor> max_exp_avg_sq, master, scales;
   at::Device device = at::kCPU;
   at::ScalarType pdtype = at::kFloat;
   int64_t unit = 1;
@@ -110,7 +111,8 @@ std::unique_ptr<FlatBucket> make_flat_bucket(
     std::vector<at::Tensor> owners, std::vector<at::Tensor> params, std::vector<at::Tensor> views,
     const at::Tensor& grad, const at::Tensor& exp_avg, const at::Tensor& exp_avg_sq,
     const std::optional<at::Tensor>& max_exp_avg_sq, const at::Tensor& steps,
-    const at::Tensor& slots, const std::optional<at::Tensor>& master);
+    const at::Tensor& slots, const std::optional<at::Tensor>& master,
+    const std::optional<at::Tensor>& scales);
 
 // Whether parameter i's memory is where the table says.
 bool flat_param_current(const FlatBucket& fb, size_t i);

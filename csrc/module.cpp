@@ -519,9 +519,10 @@ bool tensor_or_none(PyObject* obj, const char* name) {
 // master) -> handle; validates as adamw_scaled_ does.
 PyObject* flat_bucket(PyObject*, PyObject* args) {
   HANDLE_TH_ERRORS
-  PyObject *owners, *params, *views, *grad, *exp_avg, *exp_avg_sq, *max_sq, *steps, *slots, *master;
-  if (!PyArg_ParseTuple(args, "OOOOOOOOOO", &owners, &params, &views, &grad, &exp_avg, &exp_avg_sq,
-                        &max_sq, &steps, &slots, &master)) {
+  PyObject *owners, *params, *views, *grad, *exp_avg, *exp_avg_sq, *max_sq, *steps, *slots, *master,
+      *scales;
+  if (!PyArg_ParseTuple(args, "OOOOOOOOOOO", &owners, &params, &views, &grad, &exp_avg, &exp_avg_sq,
+                        &max_sq, &steps, &slots, &master, &scales)) {
     return nullptr;
   }
   std::vector<at::Tensor> o, p, v;
@@ -537,13 +538,15 @@ PyObject* flat_bucket(PyObject*, PyObject* args) {
       return nullptr;
     }
   }
-  if (!tensor_or_none(max_sq, "max_exp_avg_sq") || !tensor_or_none(master, "master")) {
+  if (!tensor_or_none(max_sq, "max_exp_avg_sq") || !tensor_or_none(master, "master") ||
+      !tensor_or_none(scales, "scales")) {
     return nullptr;
   }
-  auto fb = ruda::make_flat_bucket(
-      std::move(o), std::move(p), std::move(v), THPVariable_Unpack(grad),
-      THPVariable_Unpack(exp_avg), THPVariable_Unpack(exp_avg_sq), optional_tensor(max_sq),
-      THPVariable_Unpack(steps), THPVariable_Unpack(slots), optional_tensor(master));
+  auto fb = ruda::make_flat_bucket(std::move(o), std::move(p), std::move(v),
+                                   THPVariable_Unpack(grad), THPVariable_Unpack(exp_avg),
+                                   THPVariable_Unpack(exp_avg_sq), optional_tensor(max_sq),
+                                   THPVariable_Unpack(steps), THPVariable_Unpack(slots),
+                                   optional_tensor(master), optional_tensor(scales));
   for (const at::Tensor& view : fb->views) {  // Note [Exact views]
     fb->view_fact_starts.push_back(static_cast<int64_t>(fb->view_facts.size()));
     append_view(view, fb->view_facts);

@@ -16,13 +16,16 @@ TORCH_LIBRARY(ruda_torch, m) {
   // a one-element lr read by the kernel; `rounding` 1: stochastic rounding of BF16 params
   // with `seed` (Note [Parameter dtypes] in csrc/adamw_math.h); `decoupled` false: Adam's
   // L2 decay, weight_decay * param added to the gradient (Note [Weight decay modes]).
+  // 8-bit (uint8) moments: packed, each buffer its codes then its scales, or with
+  // `scales` the codes alone and the scales of all moments in `scales`, one run each
+  // (Note [8-bit moments] in csrc/quant8.h).
   m.def(
       "adamw_scaled_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!) exp_avg, "
       "Tensor(c!) exp_avg_sq, Tensor(d!)? max_exp_avg_sq, Tensor(e!) steps, Tensor slots, "
       "Tensor? grad_scale, Tensor? found_inf, Tensor? stats, Tensor? clip_coef, float lr, "
       "float beta1, float beta2, float eps, float weight_decay, float max_grad_norm, "
       "bool maximize, *, Tensor(f!)? master=None, Tensor? lr_tensor=None, int rounding=0, "
-      "int seed=0, bool decoupled=True) -> ()");
+      "int seed=0, bool decoupled=True, Tensor(g!)? scales=None) -> ()");
   // The validation of adamw_scaled_ alone: raises what adamw_scaled_ would raise for the
   // same arguments and writes nothing. The optimizer runs it for every kernel call of a
   // step that has more than one, before the first one writes (Note [Atomic step] in
@@ -32,7 +35,8 @@ TORCH_LIBRARY(ruda_torch, m) {
       "Tensor? max_exp_avg_sq, Tensor steps, Tensor slots, Tensor? grad_scale, Tensor? found_inf, "
       "Tensor? stats, Tensor? clip_coef, float lr, float beta1, float beta2, float eps, "
       "float weight_decay, float max_grad_norm, bool maximize, *, Tensor? master=None, "
-      "Tensor? lr_tensor=None, int rounding=0, int seed=0, bool decoupled=True) -> ()");
+      "Tensor? lr_tensor=None, int rounding=0, int seed=0, bool decoupled=True, "
+      "Tensor? scales=None) -> ()");
   // One statistics row per kStatsChunk elements of each gradient (Note [Statistics row]).
   m.def("analyze_gradient(Tensor[] grads, Tensor? grad_scale, Tensor(a!) rows) -> ()");
   // One tree level: out[k] combines rows[1024k : 1024(k+1)].

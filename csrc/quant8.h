@@ -45,28 +45,34 @@ constexpr int64_t kPacked8 = kBlock8 + 4;
 
 enum class Code8 : int64_t { kSigned = 0, kUnsigned = 1 };
 
+// All ones where `condition` holds, else zero: the selects below are bit masks, so that
+// the CPU compiler vectorizes the loops over a block at every ISA (a conditional
+// expression it may leave as a branch, which costs a misprediction per element).
+RUDA_HOST_DEVICE inline uint32_t mask_if(bool condition) {
+  return 0u - static_cast<uint32_t>(condition);
+}
+
 // The code of a >= 0 (finite, below 2) with kExp exponent and kMan mantissa bits, top
-// binade [1, 2): round to nearest, ties to even, on the FP32 bits. Both ways are computed
-// and one selected, without branches, so that the CPU compiler vectorizes the loops over
-// a block (the results are those of the plain branches).
+// binade [1, 2): round to nearest, ties to even. Both ways are computed and one selected
+// by a mask (the results are those of the plain branches).
 template <int kExp, int kMan>
 RUDA_HOST_DEVICE inline uint32_t encode_magnitude(float a) {
   constexpr int32_t kTop = (1 << kExp) - 1;
   constexpr uint32_t kDrop = 23 - kMan;
   const uint32_t bits = float_bits(a);
-  const int32_t e32 = static_cast<int32_t>(bits >> 23);
-  const int32_t target = (e32 == 0 ? 1 : e32) - 127 + kTop;  // the code's biased exponent
-  // A normal code: drop the low mantissa bits; the carry may reach the exponent.
+  // A normal code (a >= 2^(1 - kTop)): drop the low mantissa bits of the FP32 bits,
+  // rounding to nearest even; the carry may reach the exponent.
   const uint32_t r = bits + ((1u << (kDrop - 1)) - 1u) + ((bits >> kDrop) & 1u);
   const uint32_t normal = (r >> kDrop) - (static_cast<uint32_t>(127 - kTop) << kMan);
-  // A subnormal code: the significand shifted right and rounded the same way (a value
-  // that rounds up to the smallest normal gets its code: the codes are in value order);
-  // from a shift of 25 on, below half the smallest subnormal (the significand < 2^24).
-  const int32_t wanted = static_cast<int32_t>(kDrop) + 1 - target;
-  const uint32_t shift = static_cast<uint32_t>(wanted < 1 ? 1 : (wanted > 25 ? 25 : wanted));
-  const uint32_t sig = (bits & 0x7FFFFFu) | (e32 == 0 ? 0u : 0x800000u);
-  const uint32_t sub = (sig + ((1u << (shift - 1)) - 1u) + ((sig >> shift) & 1u)) >> shift;
-  return target >= 1 ? normal : sub;
+  // A subnormal code: a in units of the smallest subnormal code, 2^(1 - kTop - kMan) (an
+  // exact scaling, below 2^(kMan + 1) here), rounded to an integer by the FP32 addition
+  // of 2^23, whose rounding is to nearest even: the integer is the sum's low mantissa
+  // bits. A value that rounds up to the smallest normal gets its code (the codes are in
+  // value order); one below half the smallest subnormal gets 0.
+  const float units = a * float_from_bits(static_cast<uint32_t>(127 + kTop + kMan - 1) << 23);
+  const uint32_t sub = float_bits(units + 8388608.0f) - 0x4B000000u;
+  const uint32_t is_normal = mask_if(bits >= (static_cast<uint32_t>(127 + 1 - kTop) << 23));
+  return (normal & is_normal) | (sub & ~is_normal);
 }
 
 // The value of a code of encode_magnitude(), exact in FP32.
@@ -76,33 +82,36 @@ RUDA_HOST_DEVICE inline float decode_magnitude(uint32_t code) {
   const uint32_t e = code >> kMan;
   const uint32_t f = code & ((1u << kMan) - 1u);
   // e == 0: f * 2^(1 - kTop - kMan), a power of two times a small integer (both ways are
-  // computed, one selected, for vectorized loops).
-  const float sub =
-      static_cast<float>(f) * float_from_bits(static_cast<uint32_t>(127 + 1 - kTop - kMan) << 23);
-  const float normal =
-      float_from_bits(((e + static_cast<uint32_t>(127 - kTop)) << 23) | (f << (23 - kMan)));
-  return e == 0 ? sub : normal;
+  // computed, one selected by a mask, for vectorized loops).
+  const float sub = static_cast<float>(static_cast<int32_t>(f)) *
+                    float_from_bits(static_cast<uint32_t>(127 + 1 - kTop - kMan) << 23);
+  const uint32_t normal = ((e + static_cast<uint32_t>(127 - kTop)) << 23) | (f << (23 - kMan));
+  const uint32_t is_sub = mask_if(e == 0);
+  return float_from_bits((float_bits(sub) & is_sub) | (normal & ~is_sub));
 }
 
 // The byte of q = x / scale (|q| <= 1 + 2^-23).
 template <Code8 kCode>
 RUDA_HOST_DEVICE inline uint8_t encode8(float q) {
   const uint32_t bits = float_bits(q);
+  const uint32_t abs_bits = bits & 0x7FFFFFFFu;
   if constexpr (kCode == Code8::kSigned) {
-    const uint32_t magnitude = encode_magnitude<3, 4>(float_from_bits(bits & 0x7FFFFFFFu));
-    return static_cast<uint8_t>(magnitude == 0 ? 0u : ((bits >> 31) << 7) | magnitude);
+    const uint32_t magnitude = encode_magnitude<3, 4>(float_from_bits(abs_bits));
+    // The sign where the magnitude is not 0 (no code of -0).
+    return static_cast<uint8_t>((((bits >> 31) << 7) & mask_if(magnitude != 0)) | magnitude);
   } else {
-    const uint32_t magnitude = encode_magnitude<4, 4>(float_from_bits(bits & 0x7FFFFFFFu));
-    return static_cast<uint8_t>(magnitude == 0 && (bits & 0x7FFFFFFFu) != 0 ? 1u : magnitude);
+    const uint32_t magnitude = encode_magnitude<4, 4>(float_from_bits(abs_bits));
+    // A positive value is never coded 0 (Note [8-bit moments]).
+    return static_cast<uint8_t>(magnitude | (1u & mask_if(magnitude == 0 && abs_bits != 0)));
   }
 }
 
 // The value of a byte, before the scale (exact).
 template <Code8 kCode>
 RUDA_HOST_DEVICE inline float decode8(uint8_t code) {
-  if constexpr (kCode == Code8::kSigned) {
-    const float magnitude = decode_magnitude<3, 4>(code & 0x7Fu);
-    return (code & 0x80u) != 0 ? -magnitude : magnitude;
+  if constexpr (kCode == Code8::kSigned) {  // the code's sign bit on the magnitude's
+    const uint32_t magnitude = float_bits(decode_magnitude<3, 4>(code & 0x7Fu));
+    return float_from_bits(magnitude | (static_cast<uint32_t>(code & 0x80u) << 24));
   } else {
     return decode_magnitude<4, 4>(code);
   }
@@ -132,9 +141,10 @@ RUDA_HOST_DEVICE inline float dequantize8(uint8_t code, float scale) {
 }
 
 #if !defined(__CUDA_ARCH__)
-// The CPU kernels' decoding of n values (n <= kBlock8) of one block into out: each code's
-// value from a table made by decode8() (so dequantize8's bits), which the compiler turns
-// into vector gathers where the arithmetic of decode8 stays scalar.
+// The CPU kernels' decoding of n values (n <= kBlock8) of one block into out, with
+// dequantize8's bits: with AVX2 or AVX-512 by decode8's arithmetic, which the compiler
+// vectorizes (1.4x the speed of a table read through vector gathers); below them from a
+// table of decode8's 256 values (scalar loads beat the arithmetic on 4-wide vectors).
 template <Code8 kCode>
 inline const float* decode_table() {
   static const auto table = [] {
@@ -149,8 +159,12 @@ inline const float* decode_table() {
 
 template <Code8 kCode>
 inline void decode_block_cpu(const uint8_t* codes, float scale, int64_t n, float* out) {
+#if defined(__AVX2__)
+  for (int64_t j = 0; j < n; ++j) out[j] = decode8<kCode>(codes[j]) * scale;
+#else
   const float* table = decode_table<kCode>();
   for (int64_t j = 0; j < n; ++j) out[j] = table[codes[j]] * scale;
+#endif
 }
 #endif
 
@@ -166,7 +180,10 @@ RUDA_HOST_DEVICE inline void encode_block(const float* x, int64_t n, uint8_t* co
   const float s = block_scale(largest);
   *scale = s;
   const float inverse = block_inverse(s);
-  for (int64_t j = 0; j < n; ++j) codes[j] = s > 0.0f ? encode8<kCode>(x[j] * inverse) : 0;
+  const uint32_t keep = mask_if(s > 0.0f);  // a block of zeros, or not finite: codes 0
+  for (int64_t j = 0; j < n; ++j) {
+    codes[j] = static_cast<uint8_t>(encode8<kCode>(x[j] * inverse) & keep);
+  }
 }
 
 }  // namespace ruda

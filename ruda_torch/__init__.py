@@ -10,12 +10,15 @@
   (imported explicitly).
 - ``ruda_torch.amp.GradScaler``: ``torch.amp.GradScaler`` whose ``step`` takes the
   non-finite check from the optimizer's statistics instead of a pass of its own.
+- ``ruda_torch.dequantize_state_dict``: an optimizer checkpoint with 8-bit moments
+  (``state_precision="8bit"``) in torch.optim.AdamW's format.
 - ``ruda_torch.compiled_backends()``: which kernels this build contains;
   ``ruda_torch.cpu_capability()``: the vector ISA of the CPU kernels in use.
 """
 
 from . import amp, ops
 from ._build import compiled_backends, cpu_capability
+from ._fused import dequantize_state_dict
 from .functional import AdamWOptions, AdamWState, StepControl, StepResult, adamw_step
 from .optimizer import Adam, AdamW, GradientReport
 from .stats_plan import StatsPlan
@@ -35,5 +38,6 @@ __all__ = [
     "amp",
     "compiled_backends",
     "cpu_capability",
+    "dequantize_state_dict",
     "ops",
 ]

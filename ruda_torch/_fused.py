@@ -103,28 +103,66 @@ the memory of the bucket).
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import MutableMapping
+from collections.abc import Mapping, MutableMapping
 
 import torch
 
 from . import _C, ops
 from ._build import check_device
 from ._generic import local
-from ._validate import MASTER_KEY, REQUIRED_KEYS, STATE_KEYS, check_state_entry
+from ._validate import (
+    BLOCK_8BIT,
+    EIGHT_BIT_KEYS,
+    MASTER_KEY,
+    STATE_KEYS,
+    blocks_8bit,
+    check_8bit,
+    check_state_entry,
+    codes_key,
+    is_dense,
+    moment_format,
+    scales_key,
+)
 from .distributed import LOCAL, scope_of
 from .stats_plan import MAX_ROWS, StatsPlan, row_pieces
 
 _ALIGN = 16  # elements: 64-byte aligned slices (FP32; 128 bytes for FP64, 32 for BF16)
 _HALF_DTYPES = (torch.float16, torch.bfloat16)
-STATE_PRECISIONS = ("fp32", "bf16")
+STATE_PRECISIONS = ("fp32", "bf16", "8bit")
+# Note [8-bit buckets]
+# With state_precision="8bit" a parameter of at least ``min_8bit_size`` elements (a group
+# option, 4,096 by default; the whole parameter's count, so that every rank of a sharded
+# one decides alike) keeps its moments as
+# blockwise 8-bit codes (Note [8-bit moments] in csrc/quant8.h): its bucket's moment
+# buffers are uint8 codes, every slot starting a block, and one FP32 buffer ``scales``
+# holds each moment's scales in turn, one per block (a storage apart from the codes:
+# torch.save refuses two dtypes over one storage). Smaller parameters (biases, norms: a sliver of the memory,
+# and the ones whose few blocks quantize worst) keep FP32 moments in a bucket of their
+# own, as bitsandbytes' (its ``min_8bit_size``) and torchao's 8-bit optimizers do below
+# 4,096 elements. The state entries hold each moment as a codes/scales pair (Note [8-bit
+# state entries] in ruda_torch/_validate.py).
+MIN_8BIT_SIZE = 4096
+
+
+def bucket_precision(p: torch.Tensor, group: dict) -> str:
+    """The moment storage of ``p``'s bucket in ``group`` (Note [8-bit buckets])."""
+    precision = group.get("state_precision", "fp32")
+    if precision == "8bit" and p.numel() < group.get("min_8bit_size", MIN_8BIT_SIZE):
+        return "fp32"
+    return precision
 
 
 def state_dtype_of(param_dtype: torch.dtype, precision: str) -> torch.dtype:
     """The moments' dtype of a bucket (Note [Parameter dtypes], Note [Low-precision
-    states] in csrc/adamw_math.h)."""
+    states] in csrc/adamw_math.h; uint8: Note [8-bit buckets])."""
     if param_dtype == torch.float64:
         return torch.float64
-    return torch.bfloat16 if precision == "bf16" else torch.float32
+    return {"bf16": torch.bfloat16, "8bit": torch.uint8}.get(precision, torch.float32)
+
+
+def _moment_code(key: str) -> str:
+    """The 8-bit code of a moment: signed for the first, unsigned for the squares."""
+    return "signed" if key == "exp_avg" else "unsigned"
 
 
 FUSED_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
@@ -150,17 +188,32 @@ class Bucket:
         self.locals = [local(p) for p in params] if self.distributed else params
         self.device = self.locals[0].device if params else torch.device("cpu")
         self.dtype = self.locals[0].dtype if params else torch.float32
-        offsets, total = [], 0
-        for t in self.locals:
-            offsets.append(total)
-            total += -(-t.numel() // _ALIGN) * _ALIGN
-        self.offsets = offsets
         self.precision = precision  # Note [Low-precision states] in csrc/adamw_math.h
+        self.eight_bit = precision == "8bit" and self.dtype != torch.float64
+        align = BLOCK_8BIT if self.eight_bit else _ALIGN
+        # Scales per slot with 8-bit moments: the blocks of the local slice, or of the
+        # largest shard of a DTensor (Note [8-bit DTensor state]).
+        self.blocks = [
+            blocks_8bit(_slot_numel(p, t)) if self.eight_bit else 0
+            for p, t in zip(params, self.locals, strict=True)
+        ]
+        offsets, total = [], 0
+        for t, blocks in zip(self.locals, self.blocks, strict=True):
+            offsets.append(total)
+            span = blocks * BLOCK_8BIT if self.eight_bit else t.numel()
+            total += -(-span // align) * align
+        self.offsets = offsets
+        self.capacity = total  # state elements; the 8-bit buffers' scales follow them
         state_dtype = state_dtype_of(self.dtype, precision)
         opts = dict(dtype=state_dtype, device=self.device)
         self.exp_avg = torch.zeros(total, **opts)
         self.exp_avg_sq = torch.zeros(total, **opts)
         self.max_exp_avg_sq = torch.zeros(total, **opts) if amsgrad else None
+        self.scales = None
+        if self.eight_bit:
+            runs = 3 if amsgrad else 2
+            self.scales = torch.zeros(runs * total // BLOCK_8BIT, dtype=torch.float32,
+                                      device=self.device)  # fmt: skip
         self.master = (
             torch.zeros(total, dtype=torch.float32, device=self.device)
             if master and self.dtype in _HALF_DTYPES
@@ -204,16 +257,30 @@ class Bucket:
     @property
     def buffers(self) -> list[torch.Tensor]:
         bufs = [self.exp_avg, self.exp_avg_sq, self.steps]
-        return bufs + [b for b in (self.max_exp_avg_sq, self.master) if b is not None]
+        extra = (self.max_exp_avg_sq, self.master, self.scales)
+        return bufs + [b for b in extra if b is not None]
+
+    @property
+    def moments(self) -> tuple[str, ...]:
+        """The moments whose values live in this bucket."""
+        return STATE_KEYS if self.max_exp_avg_sq is not None else STATE_KEYS[:2]
 
     @property
     def managed_keys(self) -> tuple[str, ...]:
-        """The state keys whose values live in this bucket."""
-        keys = ("step", *STATE_KEYS) if self.max_exp_avg_sq is not None else REQUIRED_KEYS
-        return keys if self.master is None else (*keys, MASTER_KEY)
+        """The state keys whose values live in this bucket: each moment under its own
+        name, or as its 8-bit pair (Note [8-bit state entries] in _validate.py)."""
+        if self.eight_bit:
+            keys = [k for key in self.moments for k in (codes_key(key), scales_key(key))]
+        else:
+            keys = list(self.moments)
+        return ("step", *keys) if self.master is None else ("step", *keys, MASTER_KEY)
 
-    def _buffer(self, key: str) -> torch.Tensor | None:
-        return self.master if key == MASTER_KEY else getattr(self, key)
+    @property
+    def foreign_keys(self) -> tuple[str, ...]:
+        """The other form of this bucket's moments: never in an entry it owns."""
+        if self.eight_bit:
+            return self.moments
+        return tuple(k for key in self.moments for k in (codes_key(key), scales_key(key)))
 
     def can_serve(
         self, params: list, scope, amsgrad: bool, master: bool, flat: bool, precision: str
@@ -236,11 +303,25 @@ class Bucket:
 
     def _slice(self, buf: torch.Tensor, i: int) -> torch.Tensor:
         """Slot i of a flat buffer, shaped (and for a dense parameter strided) like it."""
+        return self._laid_out(buf[self.offsets[i] : self.offsets[i] + self.locals[i].numel()], i)
+
+    def _laid_out(self, flat: torch.Tensor, i: int) -> torch.Tensor:
+        """A 1-D tensor of params[i]'s local numel as the slot lays it out: shaped like the
+        parameter, with its strides when it is dense (its element k is slot element k)."""
         t = self.locals[i]
-        flat = buf[self.offsets[i] : self.offsets[i] + t.numel()]
         if t.is_contiguous() or i in self.staged:
             return flat.view(t.shape)
         return flat.as_strided(t.shape, t.stride())
+
+    def _pair(self, key: str, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Slot i of 8-bit moment ``key`` as 1-D tensors of their own: its codes in slot
+        order and its scales (Note [8-bit buckets])."""
+        codes = _own(getattr(self, key), self.offsets[i], (self.locals[i].numel(),))
+        return codes, self._scales(key, i)
+
+    def _scales(self, key: str, i: int) -> torch.Tensor:
+        run = STATE_KEYS.index(key) * (self.capacity // BLOCK_8BIT)
+        return _own(self.scales, run + self.offsets[i] // BLOCK_8BIT, (self.blocks[i],))
 
     def _own_slice(self, buf: torch.Tensor, i: int) -> torch.Tensor:
         """Slot i of a flat buffer as a tensor of its own (not a view in autograd's sense),
@@ -278,7 +359,7 @@ class Bucket:
             self._handle = _C.flat_bucket(
                 list(self.locals), list(self.targets), self.grad_views, self.grad_flat,
                 self.exp_avg, self.exp_avg_sq, self.max_exp_avg_sq, self.steps,
-                self.slots_all, self.master,
+                self.slots_all, self.master, self.scales,
             )  # fmt: skip
         return self._handle
 
@@ -360,7 +441,7 @@ class Bucket:
                 return False
             if type(mine) is torch.Tensor and _C.view_record([mine]) != self.facts[i][key]:
                 return False  # no longer exactly the view install() made
-        return True
+        return not any(key in entry for key in self.foreign_keys)
 
     def write_slot(self, i: int, step: float, values: dict) -> None:
         """Slot i := ``step`` and the moments in ``values`` (zeros for a missing one); the
@@ -370,7 +451,10 @@ class Bucket:
             buf = getattr(self, key)
             if buf is None:
                 continue
-            src = values.get(key)
+            if self.eight_bit:
+                self._write_8bit(i, key, values)
+                continue
+            src = _moment_values(values, key)
             if src is None:
                 self._slice(buf, i).zero_()
             else:
@@ -380,20 +464,53 @@ class Bucket:
             self._slice(self.master, i).copy_(local(self.params[i]) if src is None else local(src))
         self.zeroed[i] = False
 
+    def _write_8bit(self, i: int, key: str, values: dict) -> None:
+        """Slot i of 8-bit moment ``key`` := ``values``' one: codes and scales copied when
+        they are laid out as the slot is, else its values quantized (an FP32 moment, or
+        codes of another layout decoded first); zeros when there is none."""
+        codes, scales = self._pair(key, i)
+        src_codes = values.get(codes_key(key))
+        if src_codes is not None and _same_layout(src_codes, self._laid_out(codes, i)):
+            src_scales = values[scales_key(key)].reshape(-1)[: self.blocks[i]]
+            codes.copy_(_own(src_codes, 0, (src_codes.numel(),)))
+            scales.zero_()[: src_scales.numel()].copy_(src_scales)
+            return
+        src = _moment_values(values, key)
+        if src is None:
+            codes.zero_()
+            scales.zero_()
+            return
+        staging = torch.empty(codes.numel(), dtype=torch.float32, device=self.device)
+        self._laid_out(staging, i).copy_(local(src))
+        scales.zero_()
+        used = scales[: blocks_8bit(codes.numel())]
+        code = ops.CODES_8BIT.index(_moment_code(key))
+        torch.ops.ruda_torch.quantize_8bit(staging, codes, used, code)
+
     def own_views(self, i: int, with_max: bool) -> dict:
         """The state values of slot i, as install() puts them into an entry: tensors of
         their own over the slot (Note [Tensors of their own] in csrc/module.cpp)."""
         p = self.params[i]
         views = {"step": _own(self.steps, i, ())}
-        for key in (*STATE_KEYS, MASTER_KEY):
-            buf = self._buffer(key)
-            if buf is not None and (key != "max_exp_avg_sq" or with_max):
+        for key in self.moments:
+            if key == "max_exp_avg_sq" and not with_max:
+                continue
+            buf = getattr(self, key)
+            if self.eight_bit:
+                views[codes_key(key)] = _wrap_like(self._own_slice(buf, i), p)
+                views[scales_key(key)] = _wrap_scales(self._scales(key, i), p)
+            else:
                 views[key] = _wrap_like(self._own_slice(buf, i), p)
+        if self.master is not None:
+            views[MASTER_KEY] = _wrap_like(self._own_slice(self.master, i), p)
         return views
 
     def install(self, i: int, entry, views: dict) -> None:
-        """Put own_views(i) into ``entry`` (a state dict entry, mutated in place)."""
+        """Put own_views(i) into ``entry`` (a state dict entry, mutated in place), without
+        the other form of its moments (Note [8-bit state entries] in _validate.py)."""
         entry.update(views)
+        for key in self.foreign_keys:
+            entry.pop(key, None)
         if self.views[i] is None:
             self.n_with_state += 1
         self.views[i], self.entries[i] = views, entry
@@ -445,22 +562,6 @@ def _same(a, b) -> bool:
     return a is b
 
 
-def is_dense(t: torch.Tensor) -> bool:
-    """Whether ``t``'s elements fill one gap-free range of memory without overlap
-    (at::Tensor::is_non_overlapping_and_dense, which Python does not expose): contiguous,
-    or a permutation of a contiguous layout (Note [Dense layouts] in csrc/bindings.cpp)."""
-    if t.is_contiguous():
-        return True
-    expected = 1
-    for stride, size in sorted(
-        (st, n) for n, st in zip(t.shape, t.stride(), strict=True) if n != 1
-    ):
-        if stride != expected:
-            return False
-        expected *= size
-    return True
-
-
 def _own(
     buf: torch.Tensor, offset: int, shape: torch.Size | tuple, stride: tuple | None = None
 ) -> torch.Tensor:
@@ -470,6 +571,128 @@ def _own(
     if stride is None:
         return t.set_(buf.untyped_storage(), buf.storage_offset() + offset, shape)
     return t.set_(buf.untyped_storage(), buf.storage_offset() + offset, shape, stride)
+
+
+def _moment_values(values: dict, key: str) -> torch.Tensor | None:
+    """Moment ``key`` of an adopted entry's (local) values as a tensor of values shaped
+    like the parameter: the tensor itself, or its 8-bit pair decoded (FP32), or None."""
+    if key in values:
+        return values[key]
+    codes = values.get(codes_key(key))
+    if codes is None:
+        return None
+    n = codes.numel()
+    decoded = torch.empty(n, dtype=torch.float32, device=codes.device)
+    scales = values[scales_key(key)].reshape(-1)[: blocks_8bit(n)]
+    code = ops.CODES_8BIT.index(_moment_code(key))
+    torch.ops.ruda_torch.dequantize_8bit(_own(codes, 0, (n,)), scales, decoded, code)
+    return decoded.as_strided(codes.shape, codes.stride())  # the codes' memory order
+
+
+def dequantize_state_dict(state_dict: dict) -> dict:
+    """An optimizer state dict with every 8-bit moment (``state_precision="8bit"``, Note
+    [8-bit state entries] in ruda_torch/_validate.py) replaced by its FP32 values under
+    torch's name, shaped and laid out like its codes: torch.optim.AdamW's format, which
+    torch's AdamW (and ours with any ``state_precision``) loads. Everything else is shared
+    with the input, which is not modified. DTensor entries (an FSDP2 sharded state dict)
+    are converted shard by shard, into DTensors with the codes' placements."""
+    if not isinstance(state_dict, Mapping) or not isinstance(state_dict.get("state"), Mapping):
+        raise ValueError(
+            "dequantize_state_dict takes an optimizer state dict (a dict with 'state' and "
+            f"'param_groups', as optimizer.state_dict() returns), got {type(state_dict).__name__}"
+        )
+    return dequantize_entries(state_dict)
+
+
+def dequantize_entries(state_dict: dict, only: set | None = None) -> dict:
+    """dequantize_state_dict for the entries of the parameter indices in ``only`` (all by
+    default)."""
+    state = {}
+    for index, entry in state_dict["state"].items():
+        if (
+            (only is not None and index not in only)
+            or not isinstance(entry, Mapping)
+            or not any(k in entry for k in EIGHT_BIT_KEYS)
+        ):
+            state[index] = entry
+            continue
+        where = f"state_dict['state'][{index!r}]"
+        new = {k: v for k, v in entry.items() if k == "step"}
+        for key in STATE_KEYS:
+            if moment_format(entry, key, where) == "8bit":
+                codes = entry[codes_key(key)]
+                check_8bit(entry, codes, key, where)  # against the codes' own shape
+                new[key] = _decoded(codes, entry[scales_key(key)], key)
+        new.update((k, v) for k, v in entry.items() if k not in new and k not in EIGHT_BIT_KEYS)
+        state[index] = new
+    return {**state_dict, "state": state}
+
+
+def _decoded(codes: torch.Tensor, scales: torch.Tensor, key: str) -> torch.Tensor:
+    values = _moment_values({codes_key(key): local(codes), scales_key(key): local(scales)}, key)
+    if not hasattr(codes, "device_mesh"):
+        return values
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.from_local(values, codes.device_mesh, codes.placements, run_check=False,
+                              shape=codes.shape, stride=codes.stride())  # fmt: skip
+
+
+def _same_layout(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal shapes and equal strides on every dimension of size > 1 (Note [Dense
+    layouts] in csrc/bindings.cpp): the same element at each memory position."""
+    return a.shape == b.shape and all(
+        n <= 1 or x == y for n, x, y in zip(a.shape, a.stride(), b.stride(), strict=True)
+    )
+
+
+# Note [8-bit DTensor state]
+# An 8-bit moment of a DTensor parameter (FSDP2, HSDP, tensor parallel) is a codes DTensor
+# with the parameter's mesh and placements around the local codes, and a scales DTensor
+# of shape (m_1, ..., m_k, B): one row of B scales per shard, m_j the mesh size along
+# dimension j where the parameter is sharded (Shard(j) there) and 1 where it is
+# replicated (Replicate there). B is the block count of the largest shard (ceil-divided
+# sizes, torch.chunk's), so that every rank's local scales have one shape; a smaller
+# shard's row ends in zeros. The blocks follow each rank's local memory order, which only
+# the same sharding reproduces: distributed checkpoints (DCP) of this state load exactly
+# on the same mesh, and a different number of ranks changes (m_1, ..., m_k), which DCP
+# refuses as a size mismatch instead of loading scales of other blocks.
+def _slot_numel(p: torch.Tensor, t: torch.Tensor) -> int:
+    """The elements a slot reserves for ``p`` (local ``t``): the largest shard's for a
+    DTensor (Note [8-bit DTensor state])."""
+    if not hasattr(p, "device_mesh"):
+        return t.numel()
+    shape = list(p.shape)
+    for j, placement in enumerate(p.placements):
+        if placement.is_shard():
+            d = placement.dim
+            shape[d] = -(-shape[d] // p.device_mesh.size(j))
+    largest = 1
+    for n in shape:
+        largest *= n
+    if t.numel() > largest:
+        raise ValueError(
+            f"a DTensor parameter of shape {tuple(p.shape)} with placements {p.placements} has "
+            f"a local shard of {t.numel()} elements, more than the {largest} of ceil-divided "
+            "shards that 8-bit moments reserve: use state_precision='bf16' or 'fp32' for it"
+        )
+    return largest
+
+
+def _wrap_scales(scales: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """The scales of an 8-bit moment as the entry holds them: the 1-D tensor itself, or
+    for a DTensor parameter a DTensor of one row per shard (Note [8-bit DTensor state])."""
+    if not hasattr(p, "device_mesh"):
+        return scales
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    mesh = p.device_mesh
+    sharded = [pl.is_shard() for pl in p.placements]
+    shape = (*(mesh.size(j) if s else 1 for j, s in enumerate(sharded)), scales.numel())
+    placements = [Shard(j) if s else Replicate() for j, s in enumerate(sharded)]
+    local_rows = scales.view(*(1 for _ in sharded), scales.numel())
+    return DTensor.from_local(local_rows, mesh, placements, run_check=False, shape=shape,
+                              stride=torch.empty(shape, device="meta").stride())  # fmt: skip
 
 
 def _wrap_like(local_view: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
@@ -582,6 +805,12 @@ def check_group_options(group: dict, gi) -> None:
             f"state_precision={precision!r} requires fused_step=True{where} (low-precision "
             "moments are stored and rounded by the native fused kernel)"
         )
+    size = group.get("min_8bit_size", MIN_8BIT_SIZE)
+    if isinstance(size, bool) or not isinstance(size, int) or size < 0:
+        raise ValueError(
+            f"min_8bit_size must be a non-negative int{where} (parameters with fewer elements "
+            f"keep FP32 moments under state_precision='8bit'), got {size!r}"
+        )
     if group.get("state_rounding", "stochastic") not in ops.STATE_ROUNDINGS:
         raise ValueError(
             f"state_rounding must be one of {ops.STATE_ROUNDINGS}{where}, got "
@@ -683,12 +912,13 @@ def _flags(group: dict) -> tuple:
         bool(group.get("master_weights")),
         bool(group.get("flat_grads")),
         group.get("state_precision", "fp32"),
+        group.get("min_8bit_size", MIN_8BIT_SIZE),
     )
 
 
 def split_group(opt, gi: int, group: dict, needs_global: bool) -> list:
-    """The buckets' parameters of a fused group: (scope, parameters, their positions) per
-    device, dtype and scope (Note [Scopes]: one group may mix placements), in order of
+    """The buckets' parameters of a fused group: (scope, moment precision, parameters,
+    their positions) per device, dtype, scope and precision (Note [8-bit buckets]) (Note [Scopes]: one group may mix placements), in order of
     first appearance, after checking every parameter; writes nothing."""
     params = group["params"]
     check_group_options(group, gi)
@@ -705,10 +935,11 @@ def split_group(opt, gi: int, group: dict, needs_global: bool) -> list:
     for j, p in enumerate(params):
         scope = scope_of(p, opt.process_group, needs_global, f"param group {gi} parameter {j}",
                          opt.partition_group)  # fmt: skip
-        key = (local(p).device, p.dtype, scope)
-        by_key.setdefault(key, (scope, [], []))
-        by_key[key][1].append(p)
-        by_key[key][2].append(j)
+        precision = bucket_precision(p, group)
+        key = (local(p).device, p.dtype, scope, precision)
+        by_key.setdefault(key, (scope, precision, [], []))
+        by_key[key][2].append(p)
+        by_key[key][3].append(j)
     return list(by_key.values())
 
 
@@ -741,9 +972,8 @@ def derive(opt, previous: FusedPlan | None, needs_global: bool) -> FusedPlan:
         amsgrad = bool(group["amsgrad"])
         master = bool(group.get("master_weights"))
         flat = bool(group.get("flat_grads"))
-        precision = group.get("state_precision", "fp32")
         buckets = []
-        for scope, ps, js in split_group(opt, gi, group, needs_global):
+        for scope, precision, ps, js in split_group(opt, gi, group, needs_global):
             b = kept.pop(tuple(map(id, ps)), None)
             if b is not None and b.can_serve(ps, scope, amsgrad, master, flat, precision):
                 reused.append(b)
@@ -762,7 +992,7 @@ def derive(opt, previous: FusedPlan | None, needs_global: bool) -> FusedPlan:
                 step = check_state_entry(entry, p, where)
                 if not isinstance(entry, MutableMapping):
                     entry = dict(entry)
-                with_max = amsgrad or "max_exp_avg_sq" in entry
+                with_max = amsgrad or moment_format(entry, "max_exp_avg_sq", where) is not None
                 adopt.append((b, i, p, entry, step, with_max))
         groups.append((gi, group, buckets))
 
@@ -773,7 +1003,7 @@ def derive(opt, previous: FusedPlan | None, needs_global: bool) -> FusedPlan:
     staged = []
     for b, i, p, entry, step, with_max in adopt:
         values = {}
-        for key in (*STATE_KEYS, MASTER_KEY):
+        for key in (*STATE_KEYS, *EIGHT_BIT_KEYS, MASTER_KEY):
             value = entry.get(key)
             if isinstance(value, torch.Tensor):
                 value = local(value)

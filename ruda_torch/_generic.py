@@ -53,7 +53,7 @@ def check_entry(st, p: torch.Tensor, amsgrad: bool, where: str) -> bool:
     to); True when a Python-number step must become a tensor first (phase 2). The value of
     a tensor counter is not read (that would be a host sync per parameter): the update's
     arithmetic clamps it (Note [Step counter range])."""
-    check_required_keys(st, where)
+    check_required_keys(st, where, eight_bit=False)
     for key in STATE_KEYS:
         v = st.get(key)
         if v is not None and (not isinstance(v, torch.Tensor) or v.shape != p.shape):

@@ -38,6 +38,7 @@ def adamw_scaled_(
     seed: int = 0,
     decoupled: bool = True,
     state_rounding: str = "stochastic",
+    scales: torch.Tensor | None = None,
 ) -> None:
     """In-place AdamW/AMSGrad over one bucket (docs/semantics.md); with
     ``decoupled=False`` Adam's L2 decay instead (``weight_decay * param`` added to the
@@ -54,7 +55,10 @@ def adamw_scaled_(
     state offset and the moment) or ``"nearest"`` (even). Or 8-bit moments: uint8
     buffers of codes and scales (``pack_8bit``; every slice starts a block of 256; Note
     [8-bit moments] in csrc/quant8.h), decoded, updated in FP32 and coded again with each
-    block's new scale in one pass, rounded to nearest. ``grads`` share one dtype (FP32, FP16 or BF16 for FP32 parameters; the
+    block's new scale in one pass, rounded to nearest; with ``scales`` (FP32) the moment
+    buffers hold the codes alone (a whole number of blocks) and ``scales`` the scales of
+    each moment in turn (``exp_avg``'s, ``exp_avg_sq``'s, ``max_exp_avg_sq``'s, one per
+    block each), as the optimizer's buckets keep them. ``grads`` share one dtype (FP32, FP16 or BF16 for FP32 parameters; the
     parameters' dtype or FP32 for 16-bit ones; FP64 for FP64 ones), lay out their elements
     as their parameters do, and are never written.
 
@@ -77,7 +81,7 @@ def adamw_scaled_(
         grad_scale=grad_scale, found_inf=found_inf, stats=stats, max_grad_norm=max_grad_norm,
         clip_coef=clip_coef, master=master, lr_tensor=lr_tensor,
         stochastic_rounding=stochastic_rounding, seed=seed, decoupled=decoupled,
-        state_rounding=state_rounding,
+        state_rounding=state_rounding, scales=scales,
     )  # fmt: skip
 
 
@@ -114,6 +118,7 @@ def _call(
     seed=0,
     decoupled=True,
     state_rounding="stochastic",
+    scales=None,
 ) -> None:
     lr, lr_tensor = _lr_args(lr, lr_tensor)
     rounding = rounding_code(stochastic_rounding, state_rounding, exp_avg.dtype)
@@ -122,7 +127,7 @@ def _call(
         grad_scale, found_inf, stats, clip_coef,
         lr, beta1, beta2, eps, weight_decay, max_grad_norm, maximize,
         master=master, lr_tensor=lr_tensor, rounding=rounding, seed=_seed64(seed),
-        decoupled=bool(decoupled),
+        decoupled=bool(decoupled), scales=scales,
     )  # fmt: skip
 
 
@@ -326,11 +331,12 @@ def dequantize_8bit(
 def _adamw_scaled_fake(params, grads, exp_avg, exp_avg_sq, max_exp_avg_sq, steps, slots,
                        grad_scale, found_inf, stats, clip_coef, lr, beta1, beta2, eps,
                        weight_decay, max_grad_norm, maximize, *, master=None, lr_tensor=None,
-                       rounding=0, seed=0, decoupled=True):  # fmt: skip
+                       rounding=0, seed=0, decoupled=True, scales=None):  # fmt: skip
     _same_device("adamw_scaled_", [
         ("params", params), ("grads", grads), ("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq),
         ("max_exp_avg_sq", max_exp_avg_sq), ("steps", steps), ("grad_scale", grad_scale),
         ("found_inf", found_inf), ("stats", stats), ("clip_coef", clip_coef), ("master", master),
+        ("scales", scales),
     ])  # fmt: skip
     if slots.is_meta and exp_avg.device.type != "meta":
         raise RuntimeError(

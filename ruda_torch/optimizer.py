@@ -39,6 +39,7 @@ from torch.optim import Optimizer
 from . import _C, _fused, _generic, _stats, ops
 from ._generic import local
 from ._validate import (
+    EIGHT_BIT_KEYS,
     MASTER_KEY,
     STATE_KEYS,
     check_hyperparameters,
@@ -64,6 +65,7 @@ _FUSED_KEYS = dict(
     flat_grads=False,
     state_precision="fp32",
     state_rounding="stochastic",
+    min_8bit_size=4096,
 )
 # Optimizer-wide options that change the math, and the last report: pickled with the
 # optimizer (torch's Optimizer pickles only defaults, state and param_groups).
@@ -148,7 +150,15 @@ class AdamW(Optimizer):
             ``state_rounding`` (default ``"stochastic"``, reproducible from
             ``rounding_seed``; or ``"nearest"``) says. ``state_dict()`` holds the BF16
             moments (torch.optim.AdamW widens them when it loads them); an FP32
-            checkpoint loads rounded to nearest. Param-group options.
+            checkpoint loads rounded to nearest. Or ``"8bit"``: each moment as blockwise
+            8-bit codes with one FP32 scale per block of 256 elements, about 2 bytes of
+            state per element for both moments (Note [8-bit moments] in csrc/quant8.h),
+            rounded to nearest, for parameters of at least ``min_8bit_size`` elements
+            (int, default 4096; smaller ones keep FP32 moments); their state entries hold
+            ``exp_avg_codes`` and ``exp_avg_scales`` in place of ``exp_avg`` (and so on),
+            an FP32 checkpoint loads quantized, and
+            :func:`ruda_torch.dequantize_state_dict` converts ours to torch's format.
+            Param-group options.
         hierarchical_stats (bool, default False): before any update, compute one
             12-byte gradient report over all active groups with the native statistics
             kernels; a non-finite gradient skips the step and ``max_grad_norm`` clips
@@ -211,6 +221,7 @@ class AdamW(Optimizer):
         flat_grads: bool = False,
         state_precision: str = "fp32",
         state_rounding: str = "stochastic",
+        min_8bit_size: int = 4096,
         hierarchical_stats: bool = False,
         max_grad_norm: float | None = None,
         process_group=None,
@@ -257,6 +268,7 @@ class AdamW(Optimizer):
             flat_grads=flat_grads,
             state_precision=state_precision,
             state_rounding=state_rounding,
+            min_8bit_size=min_8bit_size,
         )
         _fused.check_group_options(defaults, None)
         self._flat_warned = False
@@ -385,13 +397,26 @@ class AdamW(Optimizer):
     def state_dict(self) -> dict:
         """torch's ``Optimizer.state_dict``, with any process group that a wrapper put
         into a group dict written as the tuple of its ranks (picklable, loadable with
-        ``weights_only=True``)."""
+        ``weights_only=True``).
+
+        8-bit moments are there as their codes and scales (Note [8-bit state entries] in
+        _validate.py), except those of parameters that FSDP1 flattened (its flat
+        parameters, and the original ones with ``use_orig_params=True``), which are
+        there decoded (FP32, torch's keys): FSDP1's optimizer state dicts gather and
+        reshape every state tensor of such a parameter like its shards, which per-block
+        scales are not. The load codes them again, into the same codes and scales where
+        the sharding is the same (the decoded values of a block code back exactly),
+        quantized afresh where it is not.
+        """
         sd = super().state_dict()
         for g in sd["param_groups"]:
             for k in _GROUPS_KEYS:
                 if k in g and g[k] is not None and not isinstance(g[k], tuple):
                     g[k] = ranks_of(g[k], k)
-        return sd
+        params = [p for g in self.param_groups for p in g["params"]]
+        # FSDP1 marks what it flattens with this attribute (torch's FSDP_FLATTENED).
+        flat = {i for i, p in enumerate(params) if getattr(p, "_fsdp_flattened", False)}
+        return _fused.dequantize_entries(sd, flat) if flat else sd
 
     # ------------------------------------------------------------------ checkpoints
     def load_state_dict(self, state_dict: dict) -> None:
@@ -456,29 +481,35 @@ class AdamW(Optimizer):
                                  "hierarchical_stats=True requires it")  # fmt: skip
             new_groups.append(g)
         steps = {}  # parameter id -> its validated step counter
+        fused = {id(p) for g, current in zip(new_groups, self.param_groups, strict=True)
+                 if g["fused_step"] for p in current["params"]}  # fmt: skip
         for key, st in state_dict["state"].items():
             if key not in id_to_param:
                 raise ValueError(f"loaded state has an entry for unknown parameter index {key}")
             if st:
                 p = id_to_param[key]
-                steps[id(p)] = check_state_entry(st, p, f"loaded state[{key}]")
+                steps[id(p)] = check_state_entry(st, p, f"loaded state[{key}]", id(p) in fused)
         needs_global = self.hierarchical_stats or self.max_grad_norm is not None
         for gi, g in enumerate(new_groups):  # what derive() below checks of the parameters
             if g["fused_step"]:
                 _fused.split_group(self, gi, {**g, "params": self.param_groups[gi]["params"]},
                                    needs_global)  # fmt: skip
-        super().load_state_dict({"state": state_dict["state"], "param_groups": new_groups})
-        fused = {id(p) for g in self.param_groups if g["fused_step"] for p in g["params"]}
+        # torch's load casts every state tensor to the parameter's dtype, which would
+        # round FP32 moments and masters of 16-bit parameters, and turn 8-bit codes and
+        # scales into values (at four times their memory): the fused parameters' values
+        # go around it, and the buckets adopt them exactly.
+        taken = (*STATE_KEYS, *EIGHT_BIT_KEYS, MASTER_KEY)
+        loaded = {
+            key: {k: v for k, v in st.items() if k not in taken}
+            if st and id(id_to_param[key]) in fused
+            else st
+            for key, st in state_dict["state"].items()
+        }
+        super().load_state_dict({"state": loaded, "param_groups": new_groups})
         for key, st in state_dict["state"].items():
             p = id_to_param[key]
-            if id(p) not in fused or not st:
-                continue
-            # torch's load casts every state tensor to the parameter's dtype, which would
-            # round FP32 moments and masters of 16-bit parameters: the buckets take the
-            # saved values instead (adoption copies them into FP32 slots exactly).
-            for k in (*STATE_KEYS, MASTER_KEY):
-                if isinstance(st.get(k), torch.Tensor):
-                    self.state[p][k] = st[k]
+            if id(p) in fused and st:
+                self.state[p].update((k, st[k]) for k in taken if k in st)
         for group in self.param_groups:
             for p in group["params"]:
                 if id(p) in steps:  # torch's format: an FP32 0-dim tensor per parameter
@@ -879,6 +910,7 @@ class AdamW(Optimizer):
                 b.steps,
                 b.slots(c.active),
                 master=b.master,
+                scales=b.scales,
             )
         try:
             op(

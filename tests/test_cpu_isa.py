@@ -40,6 +40,8 @@ def _train(kind: str) -> list[torch.Tensor]:
         kw.update(master_weights=True)
     elif kind == "bf16-sr":
         kw.update(stochastic_rounding=True, rounding_seed=3)
+    elif kind == "8bit":  # the codes and scales of the 8-bit step (csrc/quant8.h)
+        kw.update(amsgrad=True, state_precision="8bit", min_8bit_size=1000)
     opt = ruda_torch.AdamW(params, **kw)
     mixed = kind == "fp32" and hasattr(params[0], "grad_dtype")  # FP16 gradients (torch >= 2.14)
     if mixed:
@@ -71,13 +73,20 @@ def _stats_inputs() -> list[torch.Tensor]:
     chunks = torch.randn(7, 3, generator=gen).abs()
     merged = torch.empty(3)
     ruda_torch.ops.merge_gradient_stats_chunks(chunks, merged)
+    for code in ruda_torch.ops.CODES_8BIT:  # the 8-bit codec, over 24 binades of values
+        x = torch.randn(65537, generator=gen) * torch.exp2(
+            torch.randint(-24, 0, (65537,), generator=gen).float()
+        )
+        codes, scales = ruda_torch.ops.quantize_8bit(x, code)
+        out += [codes, scales, ruda_torch.ops.dequantize_8bit(codes, scales, code)]
     return out + [merged]
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
     t = t.detach().contiguous()
-    return t.view(torch.int64 if t.element_size() == 8 else torch.int32 if
-                  t.element_size() == 4 else torch.int16)  # fmt: skip
+    return t.view(
+        {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}[t.element_size()]
+    )
 
 
 @pytest.mark.parametrize("isa", RUNNABLE)
@@ -85,7 +94,8 @@ def test_every_isa_build_gives_the_default_bits(isa, restore_isa):
     results = {}
     for build in dict.fromkeys(["default", isa]):
         assert _build.use_cpu_isa(build) == build
-        results[build] = [_train(k) for k in ("fp32", "fp64", "bf16-master", "bf16-sr")]
+        kinds = ("fp32", "fp64", "bf16-master", "bf16-sr", "8bit")
+        results[build] = [_train(k) for k in kinds]
         results[build].append(_stats_inputs())
     for got_set, want_set in zip(results[isa], results["default"], strict=True):
         for j, (got, want) in enumerate(zip(got_set, want_set, strict=True)):

@@ -136,18 +136,22 @@ def _run_both(sim, state, *, stats=None, found_inf=None, grad_scale=None, clip_c
                       cpu["max_exp_avg_sq"], cpu["steps"], cpu["slots"], **common,
                       master=cpu["master"], lr_tensor=lr_tensor,
                       stochastic_rounding=bool(rounding & 1), seed=seed, decoupled=decoupled,
-                      state_rounding="stochastic" if rounding & 2 else "nearest")  # fmt: skip
+                      state_rounding="stochastic" if rounding & 2 else "nearest",
+                      scales=cpu.get("scales"))  # fmt: skip
     sim.adamw(emu["params"], emu["grads"], emu["exp_avg"], emu["exp_avg_sq"],
               emu["max_exp_avg_sq"], emu["steps"], emu["slots"], grad_scale, found_inf, stats,
               clip_coef, 0.0 if lr_tensor is not None else lr, 0.9, 0.99, 1e-8, wd,
               max_grad_norm, maximize, emu["master"], lr_tensor, rounding, ops._seed64(seed),
-              decoupled)  # fmt: skip
+              decoupled, emu.get("scales"))  # fmt: skip
     return cpu, emu
 
 
 def _compare(cpu, emu, what):
     for i, (a, b) in enumerate(zip(emu["params"], cpu["params"], strict=True)):
         _same(a, b, f"{what}: params[{i}]")
+    for key in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "master", "scales"):
+        if cpu.get(key) is not None:
+            _same(emu[key], cpu[key], f"{what}: {key}")
     for key in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "steps", "master"):
         if cpu[key] is not None:
             _same(emu[key], cpu[key], f"{what}: {key}")
@@ -200,21 +204,29 @@ def test_update_matches_cpu(sim, schedule, variant, unaligned):
     assert cpu["steps"].tolist() == (torch.arange(len(SIZES)) * 3 + 1).float().tolist()
 
 
+@pytest.mark.parametrize("layout", ["packed", "scales-apart"])
 @pytest.mark.parametrize(
     "pdtype,amsgrad,master,rounding",
     [(torch.float32, False, False, 0), (torch.float32, True, False, 0),
      (torch.bfloat16, True, False, 1), (torch.float16, False, True, 0)],
     ids=["fp32", "fp32-amsgrad", "bf16-amsgrad-stochastic", "fp16-master"],
 )  # fmt: skip
-def test_update_8bit_matches_cpu(sim, schedule, pdtype, amsgrad, master, rounding):
-    """8-bit moments (Note [8-bit moments] in csrc/quant8.h): the emulated kernel (a block of
-    threads per block of 256, the new scale reduced across warps) writes the CPU kernel's
-    parameters, masters, codes, scales and counters, with sizes that end mid-block."""
+def test_update_8bit_matches_cpu(sim, schedule, pdtype, amsgrad, master, rounding, layout):
+    """8-bit moments (Note [8-bit moments] in csrc/quant8.h): the emulated kernel (a warp per
+    block of 256, the new scale reduced by shuffles) writes the CPU kernel's parameters,
+    masters, codes, scales and counters, with sizes that end mid-block; with the scales in
+    each moment buffer (packed) or in a buffer of their own (the optimizer's buckets)."""
     from test_quant8 import _bucket_8bit
 
     sizes = [97, 0, 1025, 256, 4097]  # 4097: past a CUDA tile (4096)
     params, grads, state, _ = _bucket_8bit(sizes, amsgrad, pdtype, seed=3, master=master)
     state = dict(state, params=params, grads=grads)
+    if layout == "scales-apart":
+        keys = [k for k in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq") if state[k] is not None]
+        capacity = state["exp_avg"].numel() // (ops.BLOCK_8BIT + 4) * ops.BLOCK_8BIT
+        state["scales"] = torch.cat([state[k][capacity:].view(torch.float32) for k in keys])
+        for k in keys:
+            state[k] = state[k][:capacity].clone()
     cpu, emu = _run_both(sim, state, rounding=rounding, seed=11, grad_scale=torch.tensor([2.0]),
                          clip_coef=torch.tensor([0.75]))  # fmt: skip
     _compare(cpu, emu, f"8-bit {pdtype}")
@@ -250,7 +262,7 @@ def test_update_past_2_31_elements(sim, schedule):
     far = _clone(state)
     sim.adamw(plain["params"], plain["grads"], plain["exp_avg"], plain["exp_avg_sq"],
               plain["max_exp_avg_sq"], plain["steps"], plain["slots"], None, None, None, None,
-              1e-2, 0.9, 0.99, 1e-8, 0.1, 0.0, False, None, None, 0, 0, True)  # fmt: skip
+              1e-2, 0.9, 0.99, 1e-8, 0.1, 0.0, False, None, None, 0, 0, True, None)  # fmt: skip
     sim.adamw_far(far["params"], far["grads"], far["exp_avg"], far["exp_avg_sq"],
                   far["max_exp_avg_sq"], far["steps"], far["slots"], 2**31 + 16)  # fmt: skip
     _compare(far, plain, "offsets past 2^31")

@@ -337,7 +337,8 @@ def all_gather(t: torch.Tensor) -> list[torch.Tensor]:
     return out
 
 
-_BITS = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}
+_BITS = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16,
+         torch.uint8: torch.uint8}  # fmt: skip
 
 
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:

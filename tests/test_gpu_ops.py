@@ -691,16 +691,19 @@ def _load(params, step: int) -> None:
         p.grad.copy_(g)  # into the view: the graph reads the same memory every replay
 
 
-def test_flat_grads_cuda_match_cpu_bitwise():
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "8bit"])
+def test_flat_grads_cuda_match_cpu_bitwise(precision):
     """The flat-gradient path on CUDA (device-resident table) against the same steps on
-    the CPU, with a parameter without a gradient in one step (a table subset)."""
+    the CPU, with a parameter without a gradient in one step (a table subset); with every
+    state precision (8-bit: the 1,025-element parameter and the larger ones in codes)."""
     gen = torch.Generator().manual_seed(9)
     base = [torch.randn(n, generator=gen) for n in _FLAT_SIZES]
-    runs = []
+    runs, states = [], []
     for dev in ("cpu", "cuda"):
         params = [torch.nn.Parameter(t.clone().to(dev)) for t in base]
         opt = ruda_torch.AdamW(params, eps=1e-8, weight_decay=1e-2, fused_step=True,
-                               flat_grads=True, amsgrad=True)  # fmt: skip
+                               flat_grads=True, amsgrad=True, state_precision=precision,
+                               min_8bit_size=1024)  # fmt: skip
         for step in range(5):
             opt.zero_grad()
             for j, (p, g) in enumerate(zip(params, _step_grads(step), strict=True)):
@@ -708,13 +711,20 @@ def test_flat_grads_cuda_match_cpu_bitwise():
                     p.grad.copy_(g.to(dev))
             opt.step()
         runs.append(params)
+        states.append(opt.state_dict()["state"])
     for a, b in zip(*runs, strict=True):
         assert same_bits(a.detach(), b.detach().cpu())
+    for i, entry in states[0].items():
+        for key, value in entry.items():
+            assert same_bits(value, states[1][i][key].cpu()), (i, key)
 
 
 @pytest.mark.parametrize(
-    "options", [{}, dict(hierarchical_stats=True, max_grad_norm=0.5)], ids=["bare", "clipped"]
-)
+    "options",
+    [{}, dict(hierarchical_stats=True, max_grad_norm=0.5),
+     dict(state_precision="8bit", min_8bit_size=1024)],
+    ids=["bare", "clipped", "8bit"],
+)  # fmt: skip
 def test_flat_step_replays_in_a_cuda_graph_bit_for_bit(options):
     """Note [Capturing a step in a CUDA graph]: a captured step replayed with new
     gradients in the views, a Tensor lr decayed between steps and found_inf set on one
@@ -750,7 +760,7 @@ def test_flat_step_replays_in_a_cuda_graph_bit_for_bit(options):
             assert same_bits(a.detach(), b.detach()), f"step {step} parameter {j}"
             for key, value in eager.state[a].items():
                 assert same_bits(value, graphed.state[b][key]), f"step {step} {j} {key}"
-        if options:
+        if options.get("hierarchical_stats"):
             assert same_bits(eager.last_report.tensor, graphed.last_report.tensor)
     assert graphed.state[pg[0]]["step"].item() == 2 + 6  # 7 replays, one skipped
 
@@ -811,3 +821,39 @@ def test_adamw_8bit_cuda_matches_cpu_bitwise(amsgrad, param_dtype, master):
     for key, value in state.items():
         if isinstance(value, torch.Tensor):
             assert torch.equal(value, gpu_state[key].cpu()), key
+
+
+@pytest.mark.parametrize(
+    "dtype,kw",
+    [(torch.float32, {}), (torch.float32, {"amsgrad": True, "max_grad_norm": 0.5}),
+     (torch.bfloat16, {"master_weights": True}),
+     (torch.bfloat16, {"stochastic_rounding": True, "rounding_seed": 7})],
+    ids=["fp32", "fp32-amsgrad-clip", "bf16-master", "bf16-stochastic"],
+)  # fmt: skip
+def test_8bit_optimizer_cuda_matches_cpu_bitwise(dtype, kw):
+    """state_precision="8bit" through the optimizer (buckets with the scales apart, an
+    FP32 bucket for the small parameters, a transposed parameter): parameters, codes,
+    scales and FP32 moments of CUDA steps equal the CPU's."""
+    gen = torch.Generator().manual_seed(4)
+    shapes = [(300, 33), (300,), (20, 300), (70, 80)]
+    base = [torch.randn(s, generator=gen).to(dtype) for s in shapes]
+    grads = [[torch.randn(s, generator=gen).to(dtype) for s in shapes] for _ in range(3)]
+    runs, states = [], []
+    for dev in ("cpu", "cuda"):
+        params = [torch.nn.Parameter(t.clone().to(dev)) for t in base]
+        params[3] = torch.nn.Parameter(base[3].clone().to(dev).t().contiguous().t())
+        opt = ruda_torch.AdamW(params, lr=1e-2, fused_step=True, state_precision="8bit",
+                               hierarchical_stats=True, **kw)  # fmt: skip
+        for step in range(3):
+            for p, g in zip(params, grads[step], strict=True):
+                p.grad = g.to(dev).clone(memory_format=torch.preserve_format)
+            params[3].grad = grads[step][3].to(dev).t().contiguous().t()
+            opt.step()
+        runs.append(params)
+        states.append(opt.state_dict()["state"])
+    for a, b in zip(*runs, strict=True):
+        assert same_bits(a.detach(), b.detach().cpu())
+    assert "exp_avg_codes" in states[0][0] and "exp_avg" in states[0][1]
+    for i, entry in states[0].items():
+        for key, value in entry.items():
+            assert same_bits(value, states[1][i][key].cpu()), (i, key)

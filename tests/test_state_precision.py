@@ -422,10 +422,12 @@ def test_state_bytes_per_element_are_halved():
 # ------------------------------------------------------------------- sharded (2 ranks)
 
 
-def scenario_low_precision_sharded(rank: int, workdir: str, setup: str, flow: str) -> None:
-    """BF16 moments under FSDP: the state is BF16 views of the local shard (DTensors for
-    FSDP2), a checkpoint taken by the flow resumes bit for bit, a skipped step leaves
-    everything as it was."""
+def scenario_low_precision_sharded(
+    rank: int, workdir: str, setup: str, flow: str, precision: str = "bf16"
+) -> None:
+    """BF16 or 8-bit moments under FSDP: the state is BF16 views of the local shard, or
+    8-bit codes and scales (DTensors for FSDP2), a checkpoint taken by the flow resumes
+    bit for bit, a skipped step leaves everything as it was."""
     import os
 
     from test_distributed import (
@@ -442,7 +444,9 @@ def scenario_low_precision_sharded(rank: int, workdir: str, setup: str, flow: st
         train,
     )  # fmt: skip
 
-    kw = dict(state_precision="bf16", rounding_seed=5)
+    kw = dict(state_precision=precision, rounding_seed=5)
+    if precision == "8bit":
+        kw["min_8bit_size"] = 1  # the tests' model is small: every parameter in 8 bits
     path = os.path.join(workdir, f"ckpt-{flow}")
     model, opt = build(setup, **kw)
     train(model, opt, range(SAVE_AFTER), rank)
@@ -450,8 +454,11 @@ def scenario_low_precision_sharded(rank: int, workdir: str, setup: str, flow: st
         st = opt.state.get(p)
         if st:
             for key in ("exp_avg", "exp_avg_sq"):
-                assert _local(st[key]).dtype == torch.bfloat16, key
-                assert hasattr(st[key], "to_local") == hasattr(p, "to_local"), key  # DTensors
+                keys = [key] if precision == "bf16" else [key + "_codes", key + "_scales"]
+                dtypes = [torch.bfloat16] if precision == "bf16" else [torch.uint8, torch.float32]
+                for k, dtype in zip(keys, dtypes, strict=True):
+                    assert _local(st[k]).dtype == dtype, k
+                    assert hasattr(st[k], "to_local") == hasattr(p, "to_local"), k  # DTensors
     saved_params, saved_state = local_params(model), local_state(model, opt)
     _save(flow, setup, model, opt, path, rank)
     expected = train(model, opt, range(SAVE_AFTER, STEPS), rank)
@@ -476,37 +483,46 @@ def scenario_low_precision_sharded(rank: int, workdir: str, setup: str, flow: st
     assert_same_bits(local_state(fresh, fresh_opt), expected_state, "state after a skip")
 
 
+@pytest.mark.parametrize("precision", ["bf16", "8bit"])
 @pytest.mark.parametrize(
-    "setup,flow", [("fsdp2", "dcp-sharded"), ("fsdp1", "fsdp1-optim-state-dict")], ids=str
-)
-def test_bf16_moments_under_fsdp_resume_bit_for_bit(tmp_path, setup, flow):
+    "setup,flow", [("fsdp2", "dcp-sharded"), ("hsdp", "dcp-sharded"),
+                   ("fsdp1", "fsdp1-optim-state-dict"), ("fsdp1-orig-params", "dcp-sharded")],
+    ids=str,
+)  # fmt: skip
+def test_low_precision_moments_under_fsdp_resume_bit_for_bit(tmp_path, setup, flow, precision):
     from test_distributed import run_scenario
 
     run_scenario(tmp_path, "test_state_precision:scenario_low_precision_sharded", setup=setup,
-                 flow=flow)  # fmt: skip
+                 flow=flow, precision=precision)  # fmt: skip
 
 
-def scenario_low_precision_zero(rank: int, workdir: str) -> None:
-    """ZeroRedundancyOptimizer around ruda_torch.AdamW with BF16 moments: each rank's
-    partition keeps BF16 state, and the consolidated checkpoint loaded into an optimizer
+def scenario_low_precision_zero(rank: int, workdir: str, precision: str) -> None:
+    """ZeroRedundancyOptimizer around ruda_torch.AdamW with BF16 or 8-bit moments: each
+    rank's partition keeps them, and the consolidated checkpoint loaded into an optimizer
     that stepped past it resumes bit for bit."""
     from test_distributed import assert_same_bits, zero_resume
 
+    kw = dict(min_8bit_size=1) if precision == "8bit" else {}
     straight, resumed, opt = zero_resume(rank, ruda_torch.AdamW, fused_step=True,
-                                         state_precision="bf16")  # fmt: skip
+                                         state_precision=precision, **kw)  # fmt: skip
     local = opt.optim.state
-    assert local and all(st["exp_avg"].dtype == torch.bfloat16 for st in local.values())
+    if precision == "bf16":
+        assert local and all(st["exp_avg"].dtype == torch.bfloat16 for st in local.values())
+    else:
+        assert local and all(st["exp_avg_codes"].dtype == torch.uint8 for st in local.values())
     assert_same_bits(resumed, straight, "ZeRO resume")
 
 
-def test_bf16_moments_under_zero_resume_bit_for_bit(tmp_path):
+@pytest.mark.parametrize("precision", ["bf16", "8bit"])
+def test_low_precision_moments_under_zero_resume_bit_for_bit(tmp_path, precision):
     from test_distributed import run_scenario
 
-    run_scenario(tmp_path, "test_state_precision:scenario_low_precision_zero")
+    run_scenario(tmp_path, "test_state_precision:scenario_low_precision_zero",
+                 precision=precision)  # fmt: skip
 
 
-def _fsdp2_bf16():
-    """The tests' model under FSDP2 over all ranks, and a BF16-moment optimizer."""
+def _fsdp2(precision: str):
+    """The tests' model under FSDP2 over all ranks, and a BF16- or 8-bit-moment optimizer."""
     import torch.distributed as dist
     from test_distributed import HP, make_model
     from torch.distributed.device_mesh import init_device_mesh
@@ -518,8 +534,9 @@ def _fsdp2_bf16():
         if isinstance(layer, torch.nn.Linear):
             fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
-    opt = ruda_torch.AdamW(model.parameters(), **HP, fused_step=True, state_precision="bf16",
-                           hierarchical_stats=True, max_grad_norm=1.0)  # fmt: skip
+    kw = dict(min_8bit_size=1) if precision == "8bit" else {}
+    opt = ruda_torch.AdamW(model.parameters(), **HP, fused_step=True, state_precision=precision,
+                           hierarchical_stats=True, max_grad_norm=1.0, **kw)  # fmt: skip
     return model, opt
 
 
@@ -533,22 +550,32 @@ def _full_state(opt) -> list[dict]:
     return out
 
 
-def scenario_dcp_save(rank: int, workdir: str, path: str) -> None:
+def scenario_dcp_save(rank: int, workdir: str, path: str, precision: str) -> None:
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     from test_distributed import SAVE_AFTER, train
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
-    model, opt = _fsdp2_bf16()
+    model, opt = _fsdp2(precision)
     train(model, opt, range(SAVE_AFTER), rank)
     dcp.save({"optim": get_optimizer_state_dict(model, opt)}, checkpoint_id=path)
     full = _full_state(opt)
+    if precision == "8bit":  # and converted to FP32 moments, which DCP reshards
+        converted = ruda_torch.dequantize_state_dict(get_optimizer_state_dict(model, opt))
+        dcp.save({"optim": converted}, checkpoint_id=path + ".fp32")
+        full = _full_entries(converted)
     if rank == 0:
         torch.save(full, path + ".full")
     dist.barrier()
 
 
-def scenario_dcp_load(rank: int, workdir: str, path: str) -> None:
+def _full_entries(sd: dict) -> list[dict]:
+    """The entries of a (sharded) optimizer state dict, unsharded (a collective)."""
+    return [{k: v.full_tensor() if hasattr(v, "full_tensor") else v.clone()
+             for k, v in entry.items()} for entry in sd["state"].values()]  # fmt: skip
+
+
+def scenario_dcp_load(rank: int, workdir: str, path: str, precision: str) -> None:
     import torch.distributed.checkpoint as dcp
     from test_distributed import SAVE_AFTER, STEPS, train
     from torch.distributed.checkpoint.state_dict import (
@@ -556,8 +583,32 @@ def scenario_dcp_load(rank: int, workdir: str, path: str) -> None:
         set_optimizer_state_dict,
     )
 
-    model, opt = _fsdp2_bf16()
+    model, opt = _fsdp2(precision)
     sd = {"optim": get_optimizer_state_dict(model, opt)}
+    if precision == "8bit":
+        # Note [8-bit DTensor state]: the scales of 2 shards are (2, B), 1 rank's (1, B').
+        from torch.distributed.checkpoint.api import CheckpointException
+
+        with pytest.raises(CheckpointException) as refused:
+            dcp.load(sd, checkpoint_id=path)
+        assert "Size mismatch" in str(refused.value) and "exp_avg_scales" in str(refused.value)
+        # The converted checkpoint loads, quantized on this rank's blocks.
+        sd = {"optim": ruda_torch.dequantize_state_dict(get_optimizer_state_dict(model, opt))}
+        dcp.load(sd, checkpoint_id=path + ".fp32")
+        set_optimizer_state_dict(model, opt, sd["optim"])
+        expected = torch.load(path + ".full")
+        got = _full_entries(ruda_torch.dequantize_state_dict(get_optimizer_state_dict(model, opt)))
+        assert len(got) == len(expected)
+        for g, e in zip(got, expected, strict=True):
+            for key in ("exp_avg", "exp_avg_sq"):
+                # Within the codes' error (Note [8-bit moments] in csrc/quant8.h): half a
+                # spacing, 2^-4 of a binade (4 mantissa bits), or of the subnormals' 2^-10
+                # of the block's largest magnitude (at most the tensor's).
+                bound = e[key].abs() * 2**-5 + e[key].abs().max() * 2**-11
+                assert ((g[key] - e[key]).abs() <= bound).all(), key
+            assert g["step"].item() == e["step"].item()
+        train(model, opt, range(SAVE_AFTER, STEPS), rank)
+        return
     dcp.load(sd, checkpoint_id=path)
     set_optimizer_state_dict(model, opt, sd["optim"])
     expected = torch.load(path + ".full")
@@ -570,15 +621,19 @@ def scenario_dcp_load(rank: int, workdir: str, path: str) -> None:
     train(model, opt, range(SAVE_AFTER, STEPS), rank)  # and it trains on
 
 
-def test_dcp_checkpoint_loads_exactly_on_another_number_of_ranks(tmp_path):
-    """Saved by 2 FSDP2 ranks, loaded by 1 (DCP reshards the BF16 DTensors): the moments
+@pytest.mark.parametrize("precision", ["bf16", "8bit"])
+def test_dcp_checkpoint_on_another_number_of_ranks(tmp_path, precision):
+    """Saved by 2 FSDP2 ranks, loaded by 1. BF16 (DCP reshards the DTensors): the moments
     and counters are the saved ones bit for bit. (The steps after it draw other stochastic
     rounding bits than a 2-rank continuation: an element's bits follow its position in
-    its rank's bucket.)"""
+    its rank's bucket.) 8-bit: refused by DCP as a size mismatch of the scales, whose
+    blocks follow each rank's shard (docs/fsdp.md says how to move such a checkpoint)."""
     from test_distributed import run_scenario
 
     path = str(tmp_path / "ckpt")
     (tmp_path / "two").mkdir()
     (tmp_path / "one").mkdir()
-    run_scenario(tmp_path / "two", "test_state_precision:scenario_dcp_save", world=2, path=path)
-    run_scenario(tmp_path / "one", "test_state_precision:scenario_dcp_load", world=1, path=path)
+    run_scenario(tmp_path / "two", "test_state_precision:scenario_dcp_save", world=2, path=path,
+                 precision=precision)  # fmt: skip
+    run_scenario(tmp_path / "one", "test_state_precision:scenario_dcp_load", world=1, path=path,
+                 precision=precision)  # fmt: skip

@@ -42,11 +42,11 @@ void adamw_scaled_cuda(at::TensorList params, at::TensorList grads, const at::Te
                        double beta2, double eps, double weight_decay, double max_grad_norm,
                        bool maximize, const std::optional<at::Tensor>& master,
                        const std::optional<at::Tensor>& lr_tensor, int64_t rounding, int64_t seed,
-                       bool decoupled) {
+                       bool decoupled, const std::optional<at::Tensor>& scales) {
   PreparedAdamW prep =
       prepare_adamw(params, grads, exp_avg, exp_avg_sq, max_exp_avg_sq, steps, slots, grad_scale,
                     found_inf, stats, clip_coef, lr, beta1, beta2, eps, weight_decay, max_grad_norm,
-                    maximize, master, lr_tensor, rounding, seed, decoupled, kCudaTile);
+                    maximize, master, lr_tensor, rounding, seed, decoupled, scales, kCudaTile);
   if (prep.table.empty()) return;
   const c10::cuda::CUDAGuard guard(exp_avg.device());
   at::Tensor table = upload_table(prep.table, exp_avg.device());

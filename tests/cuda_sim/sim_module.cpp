@@ -37,11 +37,11 @@ void adamw(std::vector<at::Tensor> params, std::vector<at::Tensor> grads, const 
            double lr, double beta1, double beta2, double eps, double weight_decay,
            double max_grad_norm, bool maximize, const std::optional<at::Tensor>& master,
            const std::optional<at::Tensor>& lr_tensor, int64_t rounding, int64_t seed,
-           bool decoupled) {
+           bool decoupled, const std::optional<at::Tensor>& scales) {
   ruda::PreparedAdamW prep = ruda::prepare_adamw(
       params, grads, exp_avg, exp_avg_sq, max_exp_avg_sq, steps, slots, grad_scale, found_inf,
       stats, clip_coef, lr, beta1, beta2, eps, weight_decay, max_grad_norm, maximize, master,
-      lr_tensor, rounding, seed, decoupled, ruda::kCudaTile);
+      lr_tensor, rounding, seed, decoupled, scales, ruda::kCudaTile);
   if (prep.table.empty()) return;  // as the CUDA operator
   prep.launch.table = prep.table.data();
   ruda::adamw_cuda(prep.launch, nullptr);
@@ -57,7 +57,7 @@ void adamw_far(std::vector<at::Tensor> params, std::vector<at::Tensor> grads,
   ruda::PreparedAdamW prep = ruda::prepare_adamw(
       params, grads, exp_avg, exp_avg_sq, max_exp_avg_sq, steps, slots, std::nullopt, std::nullopt,
       std::nullopt, std::nullopt, 1e-2, 0.9, 0.99, 1e-8, 0.1, 0.0, false, std::nullopt,
-      std::nullopt, 0, 0, true, ruda::kCudaTile);
+      std::nullopt, 0, 0, true, std::nullopt, ruda::kCudaTile);
   if (prep.table.empty()) return;
   for (ruda::TensorEntry& e : prep.table) e.state_offset += shift;
   const auto back = [shift](void* base, size_t size) {
@@ -122,7 +122,8 @@ std::shared_ptr<SimFlat> flat_new(std::vector<at::Tensor> owners, std::vector<at
                                   const std::optional<at::Tensor>& master) {
   auto sim = std::make_shared<SimFlat>();
   sim->fb = ruda::make_flat_bucket(std::move(owners), std::move(params), std::move(views), grad,
-                                   exp_avg, exp_avg_sq, max_exp_avg_sq, steps, slots, master);
+                                   exp_avg, exp_avg_sq, max_exp_avg_sq, steps, slots, master,
+                                   std::nullopt);
   // The handle sizes its work units by the tensors' device: these are CPU tensors standing
   // in for device memory, so the units are made the CUDA tile, as for a CUDA bucket.
   ruda::FlatBucket& fb = *sim->fb;

@@ -1,0 +1,464 @@
+"""state_precision="8bit" in the optimizer: blockwise 8-bit moments (Note [8-bit buckets]
+in ruda_torch/_fused.py, Note [8-bit state entries] in ruda_torch/_validate.py).
+
+The oracle of a step is the algorithm itself, composed of parts tested on their own
+(tests/test_quant8.py: the codec against the FP64 reference, the fused 8-bit kernel
+against the FP32 kernel on decoded moments): decode every moment of the state, take one
+FP32 fused step of ruda_torch.AdamW, code the new moments with ops.quantize_8bit in the
+codes' memory order. Parameters, masters, codes, scales and counters must match bit for
+bit, through every option of the optimizer that the test names.
+"""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+import torch
+from test_ops import same_bits
+from torch import nn
+
+import ruda_torch
+from ruda_torch import ops
+from ruda_torch._validate import EIGHT_BIT_KEYS, codes_key, scales_key
+
+MOMENTS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
+
+
+class _Net(nn.Module):
+    """Parameters of both kinds: 8-bit (9,900 and 6,000 elements, both ending mid-block;
+    an (80, 70) transposed one of 5,600, dense but not contiguous) and FP32 (the biases,
+    below min_8bit_size)."""
+
+    def __init__(self, dtype=torch.float32, hidden=300, cols=70):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a = nn.Linear(33, hidden).to(dtype)
+        self.b = nn.Linear(hidden, 20).to(dtype)
+        self.t = nn.Parameter((torch.randn(cols, 80) / 9).to(dtype).t())
+
+    def forward(self, x):
+        h = torch.tanh(self.a(x.to(self.a.weight.dtype)))
+        return self.b(h).float().pow(2).mean() + (h[:, :80] @ self.t).float().pow(2).mean()
+
+
+def _batch(s: int) -> torch.Tensor:
+    return torch.randn(16, 33, generator=torch.Generator().manual_seed(s))
+
+
+def _backward(model, s: int, scale: float = 1.0) -> None:
+    (model(_batch(s)) * scale).backward()
+
+
+def _make(model, **kw):
+    kw = {"lr": 1e-2, "fused_step": True, "state_precision": "8bit", **kw}
+    return ruda_torch.AdamW(model.parameters(), **kw)
+
+
+def _train(model, opt, steps, start=0, scaler=None):
+    for s in range(start, start + steps):
+        opt.zero_grad()
+        if scaler is None:
+            _backward(model, s)
+            opt.step()
+        else:
+            scaler.scale(model(_batch(s))).backward()
+            scaler.step(opt)
+            scaler.update()
+
+
+def _memory_order(t: torch.Tensor) -> torch.Tensor:
+    """A dense tensor's elements in memory order (what the blocks of 8-bit codes follow)."""
+    return t.as_strided((t.numel(),), (1,))
+
+
+def _quantized(values: torch.Tensor, key: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """What an 8-bit entry holds for FP32 moment ``values``: codes in its memory order."""
+    code = "signed" if key == "exp_avg" else "unsigned"
+    return ops.quantize_8bit(_memory_order(values).contiguous(), code)
+
+
+def _decoded_state(opt) -> dict:
+    """Every parameter's state entry with its 8-bit moments decoded (FP32), cloned."""
+    sd = ruda_torch.dequantize_state_dict({"state": dict(opt.state), "param_groups": []})
+    return {p: {k: v.clone() for k, v in st.items()} for p, st in sd["state"].items()}
+
+
+def _oracle_step(model, opt, s: int, cls=ruda_torch.AdamW, **kw) -> None:
+    """One step of ``opt`` (made with ``kw`` and state_precision="8bit") against the
+    oracle of the module docstring, from the current state: bit for bit."""
+    twin = _Net(model.a.weight.dtype, model.a.out_features, model.t.shape[1])
+    with torch.no_grad():
+        for q, p in zip(twin.parameters(), model.parameters(), strict=True):
+            q.copy_(p)
+    # Two groups, so that the twin has our buckets in our order: the 8-bit parameters',
+    # then the small ones' (a global norm sums its buckets' reports in that order).
+    min_size = kw.get("min_8bit_size", 4096)
+    big = [q for q in twin.parameters() if q.numel() >= min_size]
+    small = [q for q in twin.parameters() if q.numel() < min_size]
+    groups = [{"params": ps} for ps in (big, small) if ps]
+    twin_opt = cls(groups, **{"lr": 1e-2, "fused_step": True, **kw})
+    decoded = _decoded_state(opt)
+    for q, p in zip(twin.parameters(), model.parameters(), strict=True):
+        if p in decoded:
+            twin_opt.state[q] = decoded[p]
+    for m, o in ((model, opt), (twin, twin_opt)):
+        o.zero_grad()
+        _backward(m, s)
+        o.step()
+    for q, p in zip(twin.parameters(), model.parameters(), strict=True):
+        assert same_bits(p.detach(), q.detach()), f"parameter at step {s}"
+        mine, want = opt.state[p], twin_opt.state[q]
+        assert same_bits(mine["step"], want["step"])
+        if "master_param" in want:
+            assert same_bits(mine["master_param"], want["master_param"])
+        for key in MOMENTS:
+            if key not in want:
+                assert key not in mine and codes_key(key) not in mine
+                continue
+            if p.numel() < min_size:
+                assert same_bits(mine[key], want[key]), key
+                continue
+            codes, scales = _quantized(want[key], key)
+            assert same_bits(_memory_order(mine[codes_key(key)]), codes), f"{key} codes at {s}"
+            assert same_bits(mine[scales_key(key)], scales), f"{key} scales at {s}"
+
+
+OPTIONS = {
+    "adamw": {},
+    "amsgrad": {"amsgrad": True},
+    "flat-clip": {"flat_grads": True, "hierarchical_stats": True, "max_grad_norm": 0.05},
+    "tensor-norm-clip": {"max_grad_norm": 0.05, "weight_decay": 0.1},
+    "maximize": {"maximize": True, "amsgrad": True},
+    "tensor-lr": {"lr": torch.tensor(3e-3)},
+}
+
+
+@pytest.mark.parametrize("options", list(OPTIONS), ids=str)
+def test_8bit_steps_are_fp32_steps_on_decoded_moments(options):
+    kw = OPTIONS[options]
+    model = _Net()
+    opt = _make(model, **kw)
+    for s in range(4):
+        _oracle_step(model, opt, s, **kw)
+    st = opt.state[model.a.weight]
+    assert st[codes_key("exp_avg")].dtype == torch.uint8 and "exp_avg" not in st
+    assert st[codes_key("exp_avg")].shape == model.a.weight.shape
+    assert st[scales_key("exp_avg")].shape == (-(-9900 // 256),)
+    assert opt.state[model.a.bias]["exp_avg"].dtype == torch.float32  # below min_8bit_size
+    t = opt.state[model.t][codes_key("exp_avg_sq")]
+    assert t.stride() == model.t.stride()  # laid out as the parameter
+
+
+def test_adam_l2_decay_with_8bit_moments():
+    model = _Net()
+    kw = dict(weight_decay=0.1, amsgrad=True)
+    opt = ruda_torch.Adam(model.parameters(), lr=1e-2, fused_step=True, state_precision="8bit",
+                          **kw)  # fmt: skip
+    for s in range(3):
+        _oracle_step(model, opt, s, cls=ruda_torch.Adam, **kw)
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [{"master_weights": True}, {"stochastic_rounding": True, "rounding_seed": 3}, {}],
+    ids=["master", "stochastic", "nearest"],
+)
+def test_bf16_parameters_with_8bit_moments(kw):
+    # Stochastic rounding draws an element's bits from its state offset: with sizes that
+    # are whole blocks, the FP32 twin's slots start where ours do.
+    model = (
+        _Net(torch.bfloat16, hidden=256, cols=64)
+        if kw.get("stochastic_rounding")
+        else _Net(torch.bfloat16)
+    )
+    opt = _make(model, **kw)
+    for s in range(3):
+        _oracle_step(model, opt, s, **kw)
+
+
+def test_min_8bit_size_decides_per_parameter():
+    model = _Net()
+    opt = _make(model, min_8bit_size=6000)
+    _train(model, opt, 1)
+    assert codes_key("exp_avg") in opt.state[model.a.weight]  # 9,900
+    assert codes_key("exp_avg") in opt.state[model.b.weight]  # 6,000: at the threshold
+    assert "exp_avg" in opt.state[model.t]  # 5,600: below
+    for s in range(1, 3):
+        _oracle_step(model, opt, s, min_8bit_size=6000)
+    opt.param_groups[0]["min_8bit_size"] = 0  # every parameter, converted at the next step
+    _train(model, opt, 1, start=3)
+    assert all(codes_key("exp_avg") in opt.state[p] for p in model.parameters())
+    with pytest.raises(ValueError, match="min_8bit_size must be a non-negative int"):
+        _make(_Net(), min_8bit_size=-1)
+
+
+def test_state_bytes_per_element():
+    """Both moments in 2 + 8/256 bytes per element (the issue's bound: 2.1), 3.05 with
+    AMSGrad; the small parameters' FP32 moments are a sliver."""
+    model = _Net()
+    for amsgrad, bound in ((False, 2.1), (True, 3.1)):
+        opt = _make(model, amsgrad=amsgrad)
+        _train(model, opt, 1)
+        big = [p for p in model.parameters() if p.numel() >= 4096]
+        nbytes = sum(v.numel() * v.element_size() for p in big for k, v in opt.state[p].items()
+                     if k in EIGHT_BIT_KEYS)  # fmt: skip
+        assert nbytes / sum(p.numel() for p in big) <= bound
+
+
+def test_training_stays_close_to_fp32_moments():
+    model, ref = _Net(), _Net()
+    opt, ropt = _make(model), _make(ref, state_precision="fp32")
+    _train(model, opt, 30)
+    _train(ref, ropt, 30)
+    for p, q in zip(model.parameters(), ref.parameters(), strict=True):
+        # 30 steps at lr 1e-2: the moments' 3% relative codes stay within a step's size.
+        assert (p - q).abs().max().item() < 1e-2
+
+
+# ------------------------------------------------------------------------ checkpoints
+
+
+def test_checkpoint_resumes_bit_for_bit_through_torch_save():
+    model, twin = _Net(), _Net()
+    opt = _make(model, amsgrad=True)
+    _train(model, opt, 3)
+    buf = io.BytesIO()
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, buf)
+    buf.seek(0)
+    ck = torch.load(buf)  # weights_only=True: plain tensors
+    entry = ck["opt"]["state"][0]
+    assert sorted(entry) == sorted(["step", *EIGHT_BIT_KEYS])
+    assert entry["exp_avg_codes"].dtype == torch.uint8
+    assert entry["exp_avg_scales"].dtype == torch.float32
+    twin.load_state_dict(ck["model"])
+    topt = _make(twin, amsgrad=True)
+    topt.load_state_dict(ck["opt"])
+    _train(model, opt, 3, start=3)
+    _train(twin, topt, 3, start=3)
+    for p, q in zip(model.parameters(), twin.parameters(), strict=True):
+        assert same_bits(p.detach(), q.detach())
+        assert opt.state[p].keys() == topt.state[q].keys()
+        for k, v in opt.state[p].items():
+            assert same_bits(v, topt.state[q][k]), k
+
+
+def test_torch_checkpoint_loads_quantized_and_ours_converts_back():
+    model, tm = _Net(), _Net()
+    topt = torch.optim.AdamW(tm.parameters(), lr=1e-2, amsgrad=True)
+    _train(tm, topt, 3)
+    opt = _make(model, amsgrad=True)
+    model.load_state_dict(tm.state_dict())
+    opt.load_state_dict(topt.state_dict())
+    for p, q in zip(model.parameters(), tm.parameters(), strict=True):
+        st = opt.state[p]
+        for key in MOMENTS:
+            if p.numel() < 4096:
+                assert same_bits(st[key], topt.state[q][key])
+                continue
+            codes, scales = _quantized(topt.state[q][key], key)
+            assert same_bits(_memory_order(st[codes_key(key)]), codes)
+            assert same_bits(st[scales_key(key)], scales)
+            assert key not in st
+    # Ours into torch: converted by dequantize_state_dict (the input is left as it was).
+    sd = opt.state_dict()
+    converted = ruda_torch.dequantize_state_dict(sd)
+    assert codes_key("exp_avg") in sd["state"][0]
+    back = torch.optim.AdamW(_Net().parameters(), lr=1e-2, amsgrad=True)
+    back.load_state_dict(converted)
+    for (_, st), p in zip(back.state.items(), model.parameters(), strict=True):
+        for key in MOMENTS:
+            assert st[key].dtype == torch.float32 and st[key].shape == p.shape
+            if p.numel() >= 4096:
+                ours = opt.state[p]
+                code = "signed" if key == "exp_avg" else "unsigned"
+                want = ops.dequantize_8bit(_memory_order(ours[codes_key(key)]).contiguous(),
+                                           ours[scales_key(key)], code)  # fmt: skip
+                assert same_bits(_memory_order(st[key]), want)
+    # Unconverted, torch's step stops on the missing moment rather than stepping wrongly.
+    raw = torch.optim.AdamW(_Net().parameters(), lr=1e-2, amsgrad=True)
+    raw.load_state_dict(sd)
+    for p in raw.param_groups[0]["params"]:
+        p.grad = torch.ones_like(p)
+    with pytest.raises(KeyError, match="exp_avg"):
+        raw.step()
+
+
+def test_changing_state_precision_converts_the_state():
+    model = _Net()
+    opt = _make(model, state_precision="fp32")
+    _train(model, opt, 2)
+    fp32 = {p: opt.state[p]["exp_avg"].clone() for p in model.parameters()}
+    opt.param_groups[0]["state_precision"] = "8bit"
+    _train(model, opt, 0)
+    opt._current_plan()
+    w = model.a.weight
+    codes, scales = _quantized(fp32[w], "exp_avg")
+    assert same_bits(_memory_order(opt.state[w]["exp_avg_codes"]), codes)
+    assert same_bits(opt.state[w]["exp_avg_scales"], scales)
+    _oracle_step(model, opt, 2)
+    for precision, dtype in (("bf16", torch.bfloat16), ("fp32", torch.float32)):
+        opt.param_groups[0]["state_precision"] = precision
+        _train(model, opt, 1, start=3)
+        st = opt.state[w]
+        assert st["exp_avg"].dtype == dtype and not any(k in st for k in EIGHT_BIT_KEYS)
+
+
+def test_skipped_step_leaves_the_8bit_state_untouched():
+    model = _Net()
+    opt = _make(model, hierarchical_stats=True, max_grad_norm=1.0, amsgrad=True)
+    _train(model, opt, 2)
+    before = {p: {k: v.clone() for k, v in opt.state[p].items()} for p in model.parameters()}
+    params = [p.detach().clone() for p in model.parameters()]
+    opt.zero_grad()
+    _backward(model, 9)
+    model.t.grad[3, 5] = float("nan")
+    opt.step()
+    assert opt.last_report.skipped.item()
+    for p, q in zip(model.parameters(), params, strict=True):
+        assert same_bits(p.detach(), q)
+        for k, v in before[p].items():
+            assert same_bits(opt.state[p][k], v), k
+
+
+@pytest.mark.parametrize("scaler_kind", ["ruda", "torch"])
+def test_grad_scaler_steps_match_unscaled_steps(scaler_kind):
+    a, b = _Net(), _Net()
+    oa, ob = _make(a, hierarchical_stats=scaler_kind == "ruda"), _make(b)
+    make = ruda_torch.amp.GradScaler if scaler_kind == "ruda" else torch.amp.GradScaler
+    scaler = make("cpu", init_scale=1024.0)
+    _train(a, oa, 4, scaler=scaler)
+    _train(b, ob, 4)
+    for p, q in zip(a.parameters(), b.parameters(), strict=True):
+        assert same_bits(p.detach(), q.detach())  # a power-of-two scale divides exactly
+
+
+def test_compiled_step_gives_eager_bits():
+    torch._dynamo.reset()
+    a, b = _Net(), _Net()
+    oa, ob = _make(a), _make(b)
+    compiled = torch.compile(oa.step)
+    for s in range(3):
+        for model, opt in ((a, oa), (b, ob)):
+            opt.zero_grad()
+            _backward(model, s)
+        compiled()
+        ob.step()
+    for p, q in zip(a.parameters(), b.parameters(), strict=True):
+        assert same_bits(p.detach(), q.detach())
+        for k, v in oa.state[p].items():
+            assert same_bits(v, ob.state[q][k]), k
+
+
+# ------------------------------------------------------------------ coherence and errors
+
+
+def test_a_users_state_is_honoured_in_either_form():
+    model = _Net()
+    opt = _make(model)
+    _train(model, opt, 2)
+    w = model.a.weight
+    # An FP32 moment in place of the pair: quantized into the slot at the next step.
+    values = torch.randn_like(w) * 1e-3
+    st = opt.state[w]
+    del st["exp_avg_codes"], st["exp_avg_scales"]
+    st["exp_avg"] = values
+    opt._current_plan()
+    codes, scales = _quantized(values, "exp_avg")
+    assert "exp_avg" not in opt.state[w]
+    assert same_bits(_memory_order(opt.state[w]["exp_avg_codes"]), codes)
+    # A pair replaced by another pair (another parameter's): copied exactly.
+    other = opt.state[model.b.weight]
+    src = {k: opt.state[w][k].clone() for k in ("exp_avg_sq_codes", "exp_avg_sq_scales")}
+    opt.state[w]["exp_avg_sq_codes"] = src["exp_avg_sq_codes"]
+    opt.state[w]["exp_avg_sq_scales"] = src["exp_avg_sq_scales"]
+    _oracle_step(model, opt, 2)
+    assert other is opt.state[model.b.weight]
+    # A fresh start.
+    opt.state[w] = {}
+    _oracle_step(model, opt, 3)
+    assert opt.state[w]["step"].item() == 1
+
+
+def test_added_parameters_get_8bit_state():
+    model = _Net()
+    opt = ruda_torch.AdamW([model.a.weight, model.a.bias], lr=1e-2, fused_step=True,
+                           state_precision="8bit")  # fmt: skip
+    _train(model, opt, 1)
+    opt.add_param_group({"params": [model.b.weight, model.b.bias, model.t]})
+    _train(model, opt, 1, start=1)
+    assert opt.param_groups[1]["state_precision"] == "8bit"
+    assert codes_key("exp_avg") in opt.state[model.t]
+
+
+def _entry_error(mutate, match):
+    model = _Net()
+    opt = _make(model)
+    _train(model, opt, 1)
+    sd = opt.state_dict()
+    entry = dict(sd["state"][0])
+    mutate(entry)
+    sd = {**sd, "state": {**sd["state"], 0: entry}}
+    p = opt.param_groups[0]["params"][0]  # model.t, transposed: 22 blocks
+    before = {k: v.clone() for k, v in opt.state[p].items()}
+    with pytest.raises(ValueError, match=match):
+        opt.load_state_dict(sd)
+    for k, v in before.items():  # a rejected load changes nothing
+        assert same_bits(opt.state[p][k], v)
+
+
+@pytest.mark.parametrize(
+    "case",
+    ["half-pair", "both-forms", "codes-dtype", "codes-shape", "scales-dtype", "scales-count",
+     "codes-not-dense", "missing-moment"],
+)  # fmt: skip
+def test_bad_8bit_entries_are_refused_before_anything_changes(case):
+    def mutate(e):
+        if case == "half-pair":
+            del e["exp_avg_scales"]
+        elif case == "both-forms":
+            e["exp_avg"] = torch.zeros(e["exp_avg_codes"].shape)
+        elif case == "codes-dtype":
+            e["exp_avg_codes"] = e["exp_avg_codes"].to(torch.int8)
+        elif case == "codes-shape":
+            e["exp_avg_codes"] = e["exp_avg_codes"].reshape(-1)
+        elif case == "scales-dtype":
+            e["exp_avg_scales"] = e["exp_avg_scales"].double()
+        elif case == "scales-count":
+            e["exp_avg_scales"] = e["exp_avg_scales"][:-1]
+        elif case == "codes-not-dense":
+            e["exp_avg_codes"] = torch.zeros(80, 140, dtype=torch.uint8)[:, ::2]
+        else:
+            del e["exp_avg_sq_codes"], e["exp_avg_sq_scales"]
+
+    match = {
+        "half-pair": "without 'exp_avg_scales'",
+        "both-forms": "holds both 'exp_avg' and its 8-bit form",
+        "codes-dtype": "must be uint8",
+        "codes-shape": "has shape",
+        "scales-dtype": "must be float32",
+        "scales-count": "22 scale",
+        "codes-not-dense": "is not dense",
+        "missing-moment": r"lacks \['exp_avg_sq'\]",
+    }[case]
+    _entry_error(mutate, match)
+
+
+def test_8bit_entries_need_the_fused_path():
+    model = _Net()
+    opt = _make(model)
+    _train(model, opt, 1)
+    generic = ruda_torch.AdamW(_Net().parameters(), lr=1e-2)
+    sd = opt.state_dict()
+    sd["param_groups"][0].update(fused_step=False, state_precision="fp32")
+    with pytest.raises(ValueError, match="8-bit moments .* only the fused path reads"):
+        generic.load_state_dict(sd)
+    generic.load_state_dict(ruda_torch.dequantize_state_dict(sd))
+    assert not generic.param_groups[0]["fused_step"]
+    with pytest.raises(ValueError, match="is for float32, float16 and bfloat16"):
+        ruda_torch.AdamW([nn.Parameter(torch.randn(8, dtype=torch.float64))], fused_step=True,
+                         state_precision="8bit")  # fmt: skip
+    with pytest.raises(ValueError, match="state_precision must be one of"):
+        ruda_torch.AdamW(_Net().parameters(), fused_step=True, state_precision="int8")
+    with pytest.raises(ValueError, match="dequantize_state_dict takes an optimizer state dict"):
+        ruda_torch.dequantize_state_dict([1])
