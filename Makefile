@@ -221,7 +221,8 @@ CPU_TESTS ?= tests/test_fixtures.py tests/test_stats.py tests/test_ops.py \
 	tests/test_param_dtypes.py tests/test_optimizer.py tests/test_coherence.py \
 	tests/test_optimizer_stats.py tests/test_optimizer_dtypes.py tests/test_compile.py \
 	tests/test_distributed.py tests/test_flat_grads.py tests/test_cpu_isa.py \
-	tests/test_exact_checks.py tests/test_state_precision.py tests/test_quant8.py
+	tests/test_exact_checks.py tests/test_state_precision.py tests/test_quant8.py \
+	tests/test_state_8bit.py
 
 $(CPU_VENV)/.stamp-deps:
 	$(PYTHON) -m venv $(CPU_VENV)

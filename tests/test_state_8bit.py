@@ -462,3 +462,24 @@ def test_8bit_entries_need_the_fused_path():
         ruda_torch.AdamW(_Net().parameters(), fused_step=True, state_precision="int8")
     with pytest.raises(ValueError, match="dequantize_state_dict takes an optimizer state dict"):
         ruda_torch.dequantize_state_dict([1])
+
+
+def test_a_parameter_with_gaps_steps_as_its_contiguous_copy():
+    """A non-dense parameter (``w[:, ::2]``) is stepped through a staging copy, its slot in
+    row-major order: its codes and scales are those of a contiguous twin, bit for bit."""
+    base = torch.randn(100, 200, generator=torch.Generator().manual_seed(1))
+    gapped = nn.Parameter(base.clone()[:, ::2])
+    plain = nn.Parameter(base.clone()[:, ::2].contiguous())
+    assert not gapped.is_contiguous()
+    opts = [ruda_torch.AdamW([p], fused_step=True, state_precision="8bit", amsgrad=True)
+            for p in (gapped, plain)]  # fmt: skip
+    gen = torch.Generator().manual_seed(2)
+    for _ in range(3):
+        g = torch.randn(100, 100, generator=gen)
+        gapped.grad, plain.grad = g.clone(), g.clone()
+        for opt in opts:
+            opt.step()
+    assert same_bits(gapped.detach(), plain.detach())
+    assert opts[0].state[gapped].keys() == opts[1].state[plain].keys()
+    for k, v in opts[0].state[gapped].items():
+        assert same_bits(v, opts[1].state[plain][k]), k

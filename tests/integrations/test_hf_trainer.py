@@ -92,8 +92,13 @@ def test_trainer_with_optimizer_cls_and_kwargs(tmp_path):
     _compare(ours, theirs, "optimizer_cls_and_kwargs")
 
 
-def test_trainer_resume_from_checkpoint_is_bit_identical(tmp_path):
-    cls = (ruda_torch.AdamW, dict(HYPER, fused_step=True))
+@pytest.mark.parametrize(
+    "options", [{}, dict(state_precision="8bit", min_8bit_size=1)], ids=["fp32", "8bit"]
+)
+def test_trainer_resume_from_checkpoint_is_bit_identical(tmp_path, options):
+    """The Trainer's optimizer.pt (torch.save, then torch.load with weights_only) resumes
+    bit for bit, FP32 moments or 8-bit codes and scales alike."""
+    cls = (ruda_torch.AdamW, dict(HYPER, fused_step=True, **options))
     straight, _ = _train(tmp_path / "straight", cls_kwargs=cls)
     first = transformers.Trainer(
         model=_model(), args=_args(tmp_path / "resumed", save_strategy="steps", save_steps=5),
