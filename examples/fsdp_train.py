@@ -9,13 +9,15 @@ sees exactly the batches an uninterrupted one would.
     torchrun --nproc_per_node=2 examples/fsdp_train.py --fsdp1          # FSDP1 (FlatParameter)
     torchrun --nproc_per_node=2 examples/fsdp_train.py --steps 60 --save-at 30
     torchrun --nproc_per_node=2 examples/fsdp_train.py --steps 60 --resume
+    torchrun --nproc_per_node=2 examples/fsdp_train.py --state-precision 8bit  # 8-bit moments
     python examples/fsdp_train.py                                       # one process
 
 The backend is NCCL on GPUs (one per rank) when CUDA is available, gloo on the CPU
 otherwise (--device cpu forces the CPU). The optimizer is
 
     ruda_torch.AdamW(..., fused_step=True, hierarchical_stats=True, max_grad_norm=1.0,
-                     process_group=<the FSDP1 process group; None for FSDP2>)
+                     process_group=<the FSDP1 process group; None for FSDP2>,
+                     state_precision=<--state-precision: fp32, bf16 or 8bit>)
 
 so the gradient norm is global across ranks and clipping happens inside the step. The loss
 and the gradient norm (``optimizer.last_report``) are read on the host only every
@@ -98,6 +100,19 @@ def parse_args(argv=None):
         "--resume", action="store_true", help="load the newest checkpoint in --ckpt-dir first"
     )
     p.add_argument(
+        "--state-precision",
+        choices=("fp32", "bf16", "8bit"),
+        default="fp32",
+        help="how the optimizer stores its moments (docs/usage.md; default fp32)",
+    )
+    p.add_argument(
+        "--min-8bit-size",
+        type=int,
+        default=4096,
+        help="with --state-precision 8bit, parameters with fewer elements keep FP32 "
+        "moments (default 4096)",
+    )
+    p.add_argument(
         "--device", choices=("auto", "cpu", "cuda"), default="auto", help="default: auto"
     )
     args = p.parse_args(argv)
@@ -107,6 +122,8 @@ def parse_args(argv=None):
         p.error("--d-model must be a multiple of --heads")
     if args.use_orig_params and not args.fsdp1:
         p.error("--use-orig-params is an FSDP1 option: add --fsdp1")
+    if args.min_8bit_size < 0:
+        p.error("--min-8bit-size must be non-negative")
     return args
 
 
@@ -319,6 +336,8 @@ def main(argv=None) -> float:
         hierarchical_stats=True,
         max_grad_norm=args.max_grad_norm,
         process_group=process_group,
+        state_precision=args.state_precision,
+        min_8bit_size=args.min_8bit_size,
     )
     data = MarkovData(args.vocab, args.seed)
 
@@ -333,7 +352,8 @@ def main(argv=None) -> float:
     log(
         f"ruda_torch.AdamW(lr={args.lr:g}, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, "
         f"fused_step=True, hierarchical_stats=True, max_grad_norm={args.max_grad_norm:g}, "
-        f"process_group={'the FSDP1 group' if process_group is not None else 'None'}); "
+        f"process_group={'the FSDP1 group' if process_group is not None else 'None'}, "
+        f"state_precision={args.state_precision!r}); "
         f"the chain's entropy (best reachable loss) is {data.entropy:.4f}"
     )
 

@@ -957,9 +957,11 @@ def test_checkpoint_resume_is_bit_identical(tmp_path, setup):
 
 @pytest.mark.parametrize(
     "flags",
-    [[], ["--fsdp1"], ["--fsdp1", "--use-orig-params"]],
-    ids=["fsdp2", "fsdp1", "fsdp1-orig-params"],
-)
+    [[], ["--fsdp1"], ["--fsdp1", "--use-orig-params"],
+     ["--state-precision", "8bit", "--min-8bit-size", "64"],
+     ["--fsdp1", "--state-precision", "8bit", "--min-8bit-size", "64"]],
+    ids=["fsdp2", "fsdp1", "fsdp1-orig-params", "fsdp2-8bit", "fsdp1-8bit"],
+)  # fmt: skip
 def test_example_fsdp_train_resumes_bit_identically(tmp_path, flags):
     run_scenario(tmp_path, "example", flags=flags)
 
