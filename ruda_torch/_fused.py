@@ -121,6 +121,7 @@ from ._validate import (
     codes_key,
     is_dense,
     moment_format,
+    pair_keys,
     scales_key,
 )
 from .distributed import LOCAL, scope_of
@@ -161,7 +162,8 @@ def state_dtype_of(param_dtype: torch.dtype, precision: str) -> torch.dtype:
 
 
 def _moment_code(key: str) -> str:
-    """The 8-bit code of a moment: signed for the first, unsigned for the squares."""
+    """The 8-bit code of a moment (ops.CODES_8BIT): signed for the first, unsigned for the
+    squares."""
     return "signed" if key == "exp_avg" else "unsigned"
 
 
@@ -203,7 +205,7 @@ class Bucket:
             span = blocks * BLOCK_8BIT if self.eight_bit else t.numel()
             total += -(-span // align) * align
         self.offsets = offsets
-        self.capacity = total  # state elements; the 8-bit buffers' scales follow them
+        self.capacity = total  # state elements of each moment buffer
         state_dtype = state_dtype_of(self.dtype, precision)
         opts = dict(dtype=state_dtype, device=self.device)
         self.exp_avg = torch.zeros(total, **opts)
@@ -270,7 +272,7 @@ class Bucket:
         """The state keys whose values live in this bucket: each moment under its own
         name, or as its 8-bit pair (Note [8-bit state entries] in _validate.py)."""
         if self.eight_bit:
-            keys = [k for key in self.moments for k in (codes_key(key), scales_key(key))]
+            keys = list(pair_keys(self.moments))
         else:
             keys = list(self.moments)
         return ("step", *keys) if self.master is None else ("step", *keys, MASTER_KEY)
@@ -280,7 +282,7 @@ class Bucket:
         """The other form of this bucket's moments: never in an entry it owns."""
         if self.eight_bit:
             return self.moments
-        return tuple(k for key in self.moments for k in (codes_key(key), scales_key(key)))
+        return pair_keys(self.moments)
 
     def can_serve(
         self, params: list, scope, amsgrad: bool, master: bool, flat: bool, precision: str
@@ -584,8 +586,7 @@ def _moment_values(values: dict, key: str) -> torch.Tensor | None:
     n = codes.numel()
     decoded = torch.empty(n, dtype=torch.float32, device=codes.device)
     scales = values[scales_key(key)].reshape(-1)[: blocks_8bit(n)]
-    code = ops.CODES_8BIT.index(_moment_code(key))
-    torch.ops.ruda_torch.dequantize_8bit(_own(codes, 0, (n,)), scales, decoded, code)
+    ops.dequantize_8bit(_own(codes, 0, (n,)), scales, _moment_code(key), out=decoded)
     return decoded.as_strided(codes.shape, codes.stride())  # the codes' memory order
 
 

@@ -131,7 +131,12 @@ def scales_key(key: str) -> str:
     return key + "_scales"
 
 
-EIGHT_BIT_KEYS = tuple(k for key in STATE_KEYS for k in (codes_key(key), scales_key(key)))
+def pair_keys(moments) -> tuple[str, ...]:
+    """The keys of the 8-bit pairs of ``moments``, in order."""
+    return tuple(k for key in moments for k in (codes_key(key), scales_key(key)))
+
+
+EIGHT_BIT_KEYS = pair_keys(STATE_KEYS)
 
 
 def blocks_8bit(numel: int) -> int:
@@ -157,9 +162,10 @@ def moment_format(entry, key: str, where: str) -> str | None:
     return "8bit" if has[0] else "plain" if key in entry else None
 
 
-def check_required_keys(entry, where: str, eight_bit: bool = True) -> None:
+def check_required_keys(entry, where: str, eight_bit: bool = True) -> dict:
     """'step', and 'exp_avg' and 'exp_avg_sq' in either form (Note [8-bit state entries];
-    the 8-bit form only where ``eight_bit``: the fused path)."""
+    the 8-bit form only where ``eight_bit``: the fused path). Returns each moment's
+    moment_format()."""
     formats = {key: moment_format(entry, key, where) for key in STATE_KEYS}
     missing = ["step"] if "step" not in entry else []
     missing += [k for k in REQUIRED_KEYS[1:] if formats[k] is None]
@@ -175,6 +181,7 @@ def check_required_keys(entry, where: str, eight_bit: bool = True) -> None:
             "which only the fused path reads: use fused_step=True for its group, or convert "
             "the state dict with ruda_torch.dequantize_state_dict first"
         )
+    return formats
 
 
 def _check_values(value, p: torch.Tensor, key: str, where: str) -> None:
@@ -257,9 +264,7 @@ def check_state_entry(entry, p: torch.Tensor, where: str, eight_bit: bool = True
     if not isinstance(entry, Mapping):
         raise ValueError(f"{where} must be a dict (torch.optim.AdamW's layout), got "
                          f"{type(entry).__name__}")  # fmt: skip
-    check_required_keys(entry, where, eight_bit)
-    for key in STATE_KEYS:
-        form = moment_format(entry, key, where)
+    for key, form in check_required_keys(entry, where, eight_bit).items():
         if form == "plain":
             _check_values(entry[key], p, key, where)
         elif form == "8bit":

@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 
 from . import _C, _build  # noqa: F401  (loading _C registers the schemas)
+from ._validate import BLOCK_8BIT
 
 _ops = torch.ops.ruda_torch
 
@@ -249,7 +250,6 @@ def _same_device(op: str, named) -> None:
                 )
 
 
-BLOCK_8BIT = 256
 CODES_8BIT = ("signed", "unsigned")
 
 
