@@ -52,7 +52,7 @@ BUILD_SWITCHES := RUDA_TORCH_CUDA=$(RUDA_TORCH_CUDA) CUDA_HOME=$(CUDA_HOME) \
 	TORCH_CUDA_ARCH_LIST=$(TORCH_CUDA_ARCH_LIST) RUDA_TORCH_CPU_ISA=$(RUDA_TORCH_CPU_ISA)
 
 .DEFAULT_GOAL := help
-.PHONY: help deps build test cpu-venv bench-states test-integrations test-cpu-torch sdist test-packaging test-cuda-sim demo bench regressions gpu-check check format versions clean distclean FORCE
+.PHONY: help deps build test cpu-venv bench-states test-integrations test-cpu-torch sdist test-packaging test-cuda-sim check-cuda-static demo bench regressions gpu-check check format versions clean distclean FORCE
 
 help:
 	@echo "make test       set up .venv, build the extension, run the test suite"
@@ -67,6 +67,8 @@ help:
 	@echo "                only) and run the kernel, optimizer and distributed tests there"
 	@echo "make test-cuda-sim  the CUDA kernels on an emulated device against the CPU kernels,"
 	@echo "                with ASan, TSan and mutations (no GPU, no CUDA toolkit needed)"
+	@echo "make check-cuda-static  every CUDA kernel compiled for sm_90 and sm_80: no spill,"
+	@echo "                occupancy >= 50%, no unmarked 32-bit loads in loops (needs nvcc)"
 	@echo "make sdist      build the sdist into build/sdist (python -m build, isolated)"
 	@echo "make test-packaging  sdist contents, isolated-build refusal, a wheel from the sdist"
 	@echo "                in a fresh venv (tools/check_packaging.sh)"
@@ -285,6 +287,13 @@ test-cuda-sim: $(BUILD_STAMP)
 		$(PY) -m pytest tests/test_cuda_sim.py -q -p no:cacheprovider \
 		-k "concurrent and (analyze or merge or 8bit)"
 	$(PY) tools/cuda_sim_mutations.py
+
+# The CUDA kernels' static check (tools/check_cuda_static.py, docs/building.md): compiled
+# for sm_90 and sm_80 with the build's flags, disassembled with nvdisasm (pip's
+# nvidia-cuda-nvdisasm, in requirements-dev.txt), held to no spill, occupancy >= 50% and no
+# 32-bit global load in a loop that its source line does not explain.
+check-cuda-static: $(DEPS_STAMP)
+	$(PY) tools/check_cuda_static.py
 
 # tools/check_packaging.sh: the sdist's contents, the isolated-build refusal, the wheel
 # built from the sdist in a fresh venv, and its import refused under another torch (.venv's).

@@ -84,6 +84,12 @@ struct ScalarOps {
   RUDA_HOST_DEVICE static inline T canonical(T x) {
     return x == x ? x : canonical_nan<T>();
   }
+  // x / c for a bias correction c of FP32 math, from inverse = 1 / c in FP64: the FP64
+  // product rounded once (Note [Division by a step constant]); FP64 math divides.
+  RUDA_HOST_DEVICE static inline float div_step(float x, float, double inverse) {
+    return static_cast<float>(static_cast<double>(x) * inverse);
+  }
+  RUDA_HOST_DEVICE static inline double div_step(double x, double c, double) { return x / c; }
 };
 
 // beta^e by repeated squaring in FP64 (Note [Bias correction]).
@@ -164,6 +170,8 @@ struct StepCoefs {
   V factor, beta1, one_minus_beta1, beta2, one_minus_beta2, eps, lr, decay, bc1, bc2;
   V l2;                // Adam's L2 coefficient (Note [Weight decay modes])
   bool l2_on = false;  // uniform over a launch: a predictable branch, no template copy
+  // 1 / bc1 and 1 / bc2 in FP64, for FP32 math (Note [Division by a step constant]).
+  double inv_bc1 = 1.0, inv_bc2 = 1.0;
 };
 
 // The learning rate: a Tensor lr's value when the launch has one (read from memory by
@@ -175,16 +183,38 @@ RUDA_HOST_DEVICE inline double learning_rate(const AdamWHyper& h) {
 }
 
 // Host-precision scalars are computed in FP64 and cast once to M (Note [Bias correction]).
+// coefs_at: the coefficients from the learning rate `lr` and the bias corrections bc1, bc2
+// of the step (what make_coefs computes from t); the CUDA kernels make these once per step
+// counter and the rest per tile from the launch, whose fields the compiler keeps in uniform
+// registers (Note [CUDA tile walk] in csrc/cuda/adamw_cuda.cu).
+// The FP32 constants of h, cast once (the binding calls it as it fills a launch).
+RUDA_HOST_DEVICE inline void set_float_consts(AdamWHyper& h) {
+  h.beta1_f = static_cast<float>(h.beta1);
+  h.one_minus_beta1_f = static_cast<float>(1.0 - h.beta1);
+  h.beta2_f = static_cast<float>(h.beta2);
+  h.one_minus_beta2_f = static_cast<float>(1.0 - h.beta2);
+  h.eps_f = static_cast<float>(h.eps);
+  h.weight_decay_f = static_cast<float>(h.weight_decay);
+}
+
 template <typename M = float>
-RUDA_HOST_DEVICE inline StepCoefs<M> make_coefs(const AdamWHyper& h, float factor, int64_t t) {
-  const double lr = learning_rate(h);
+RUDA_HOST_DEVICE inline StepCoefs<M> coefs_at(const AdamWHyper& h, float factor, double lr, M bc1,
+                                              M bc2, double inv_bc1, double inv_bc2) {
   StepCoefs<M> c;
   c.factor = static_cast<M>(factor);
-  c.beta1 = static_cast<M>(h.beta1);
-  c.one_minus_beta1 = static_cast<M>(1.0 - h.beta1);
-  c.beta2 = static_cast<M>(h.beta2);
-  c.one_minus_beta2 = static_cast<M>(1.0 - h.beta2);
-  c.eps = static_cast<M>(h.eps);
+  if constexpr (sizeof(M) == sizeof(float)) {  // set_float_consts' casts
+    c.beta1 = h.beta1_f;
+    c.one_minus_beta1 = h.one_minus_beta1_f;
+    c.beta2 = h.beta2_f;
+    c.one_minus_beta2 = h.one_minus_beta2_f;
+    c.eps = h.eps_f;
+  } else {
+    c.beta1 = static_cast<M>(h.beta1);
+    c.one_minus_beta1 = static_cast<M>(1.0 - h.beta1);
+    c.beta2 = static_cast<M>(h.beta2);
+    c.one_minus_beta2 = static_cast<M>(1.0 - h.beta2);
+    c.eps = static_cast<M>(h.eps);
+  }
   c.lr = static_cast<M>(lr);
   // Note [Weight decay modes]
   // AdamW (torch.optim.AdamW, Adam(decoupled_weight_decay=True)): the parameter is scaled
@@ -195,15 +225,28 @@ RUDA_HOST_DEVICE inline StepCoefs<M> make_coefs(const AdamWHyper& h, float facto
   // bit (l2_on false: no `+ 0 * p`, which would turn an infinite p's gradient into NaN).
   if (h.l2) {
     c.decay = static_cast<M>(1.0);
-    c.l2 = static_cast<M>(h.weight_decay);
+    if constexpr (sizeof(M) == sizeof(float)) {
+      c.l2 = h.weight_decay_f;
+    } else {
+      c.l2 = static_cast<M>(h.weight_decay);
+    }
     c.l2_on = h.weight_decay != 0.0;
   } else {
     c.decay = static_cast<M>(1.0 - lr * h.weight_decay);
     c.l2 = static_cast<M>(0.0);
   }
-  c.bc1 = bias_correction<M>(h.beta1, t);
-  c.bc2 = bias_correction<M>(h.beta2, t);
+  c.bc1 = bc1;
+  c.bc2 = bc2;
+  c.inv_bc1 = inv_bc1;
+  c.inv_bc2 = inv_bc2;
   return c;
+}
+
+template <typename M = float>
+RUDA_HOST_DEVICE inline StepCoefs<M> make_coefs(const AdamWHyper& h, float factor, int64_t t) {
+  const M bc1 = bias_correction<M>(h.beta1, t), bc2 = bias_correction<M>(h.beta2, t);
+  return coefs_at<M>(h, factor, learning_rate(h), bc1, bc2, 1.0 / static_cast<double>(bc1),
+                     1.0 / static_cast<double>(bc2));
 }
 
 // Note [Parameter dtypes]
@@ -268,17 +311,25 @@ RUDA_HOST_DEVICE inline uint32_t rounding_key(uint64_t seed, int64_t t) {
   return static_cast<uint32_t>((z ^ (z >> 31)) >> 32);
 }
 
-RUDA_HOST_DEVICE inline uint32_t rounding_bits(uint32_t key, int64_t index) {
-  const uint64_t i = static_cast<uint64_t>(index);
-  uint32_t h =
-      static_cast<uint32_t>(i) * 0x9E3779B1u ^ static_cast<uint32_t>(i >> 32) * 0x85EBCA77u;
-  h ^= key;
+// rounding_bits in two parts, for a range of elements that shares its indices' high 32
+// bits (one that does not cross a multiple of 2^32): the part of those bits and the key,
+// once, and the rest per element, the same bits.
+RUDA_HOST_DEVICE inline uint32_t rounding_high(uint32_t key, int64_t index) {
+  return static_cast<uint32_t>(static_cast<uint64_t>(index) >> 32) * 0x85EBCA77u ^ key;
+}
+
+RUDA_HOST_DEVICE inline uint32_t rounding_mix(uint32_t high, uint32_t low) {
+  uint32_t h = low * 0x9E3779B1u ^ high;
   h ^= h >> 16;
   h *= 0x85EBCA6Bu;
   h ^= h >> 13;
   h *= 0xC2B2AE35u;
   h ^= h >> 16;
   return h;
+}
+
+RUDA_HOST_DEVICE inline uint32_t rounding_bits(uint32_t key, int64_t index) {
+  return rounding_mix(rounding_high(key, index), static_cast<uint32_t>(index));
 }
 
 // The 16-bit parameter's bits written for the FP32 result x of element `index`, FP16
@@ -299,6 +350,20 @@ RUDA_HOST_DEVICE inline uint16_t round_param(float x, Rounding rounding, uint32_
   if constexpr (!IS_HALF) {
     if (rounding == Rounding::kStochastic) {
       return round_bf16_stochastic(bits, rounding_bits(key, index));
+    }
+  }
+  return round_nearest16<IS_HALF>(bits);
+}
+
+// round_param with the index's random bits in two parts (rounding_high of the key and
+// index, the index's low 32 bits): the same bits.
+template <bool IS_HALF>
+RUDA_HOST_DEVICE inline uint16_t round_param_split(float x, Rounding rounding, uint32_t high,
+                                                   uint32_t low) {
+  const uint32_t bits = float_bits(x);
+  if constexpr (!IS_HALF) {
+    if (rounding == Rounding::kStochastic) {
+      return round_bf16_stochastic(bits, rounding_mix(high, low));
     }
   }
   return round_nearest16<IS_HALF>(bits);
@@ -350,29 +415,70 @@ RUDA_HOST_DEVICE inline float master_or_param(float master, uint16_t param, floa
   return round_nearest16<IS_HALF>(float_bits(master)) == param ? master : widened;
 }
 
-// SPEC section 1, one element (or one vector of elements):
+// Note [Division by a step constant]
+// m / bc1 and v_used / bc2 divide by constants of the step: bc = 1 - beta^t rounded to
+// FP32, a normal number in [2^-53, 1] (beta < 1 in FP64). For every FP32 x, RN32(x / bc) =
+// RN32(RN64(x * RN64(1 / bc))): the FP64 product with the reciprocal, rounded once to FP32.
+// On the GPU that is three instructions where an IEEE division is about ten (the
+// reciprocal is made once per step counter). Proof. The product is within |x / bc| 2^-51
+// of x / bc (two FP64 roundings), and exact for x zero, infinite or NaN. RN32 changes value
+// only at the midpoints M = (2K + 1) 2^s between adjacent FP32 values (FLT_MAX's upper one
+// included; 2K + 1 < 2^25, with 2^24 <= 2K + 1 for those between normal values). Write x =
+// X 2^a and bc = C 2^b with X, C odd integers below 2^24 (b <= 0, as bc <= 1): then x / bc
+// - M = N / C with N = X 2^(a - b) - C (2K + 1) 2^s, an odd multiple of 2^d, d = min(a - b,
+// s): for a - b != s one of the terms is an odd multiple of 2^d and the other an even one;
+// for a - b = s, X = C (2K + 1) would need 2K + 1 <= X < 2^24, a midpoint between
+// subnormals (s = -150), and then a = b - 150 <= -150, which an odd X 2^a >= 2^-149 (an FP32
+// value) cannot have. So |x / bc - M| >= 2^d / C: for d = s more than 2^(s - 24) > |M| 2^-49,
+// for d = a - b < s more than |x / bc| 2^-24. No midpoint lies between x / bc and the
+// product, which is none itself: both round to the same FP32 value. The CPU's vector loops
+// divide (one instruction there), its scalar loops and the CUDA kernels multiply
+// (ScalarOps::div_step); tests/test_step_division.py checks the identity on every binade,
+// subnormals included, against the bias corrections of real steps.
+
+// The update in three stages (SPEC section 1):
+// adamw_moments: the gradient into the moments; returns v_used.
 //   g      = stored * factor   (+ l2 * p: Adam, Note [Weight decay modes])
 //   m      = beta1 * m + (1 - beta1) * g
 //   v      = beta2 * v + (1 - beta2) * g * g
 //   v_used = max(v_max, v)   (AMSGrad; the uncorrected maximum is stored)
-//   p      = p * (1 - lr * wd) - lr * (m / bc1) / (sqrt(v_used / bc2) + eps)
+// then m_hat = m / bc1 and v_hat = v_used / bc2, and adamw_param: the new parameter
+//   p      = p * (1 - lr * wd) - lr * m_hat / (sqrt(v_hat) + eps)
 template <bool AMSGRAD, typename Ops, typename V>
-RUDA_HOST_DEVICE inline void adamw_element(V& p, V stored_grad, V& m, V& v, V& v_max,
-                                           const StepCoefs<V>& c) {
+RUDA_HOST_DEVICE inline V adamw_moments(const V& p, V stored_grad, V& m, V& v, V& v_max,
+                                        const StepCoefs<V>& c) {
   V g = stored_grad * c.factor;
   if (c.l2_on) g = g + c.l2 * p;
   m = c.beta1 * m + c.one_minus_beta1 * g;
   v = c.beta2 * v + c.one_minus_beta2 * (g * g);
-  V v_used = v;
   if (AMSGRAD) {
     v_max = Ops::max(v_max, v);
-    v_used = v_max;
+    return v_max;
   }
-  V denom = Ops::sqrt(v_used / c.bc2) + c.eps;
-  p = Ops::canonical(p * c.decay - (c.lr * (m / c.bc1)) / denom);  // Note [Canonical NaN]
-  m = Ops::canonical(m);
-  v = Ops::canonical(v);
-  if (AMSGRAD) v_max = Ops::canonical(v_max);
+  return v;
+}
+
+template <typename Ops, typename V>
+RUDA_HOST_DEVICE inline V adamw_param(const V& p, V m_hat, V v_hat, const StepCoefs<V>& c) {
+  V denom = Ops::sqrt(v_hat) + c.eps;
+  return p * c.decay - (c.lr * m_hat) / denom;
+}
+
+// One element (or one vector of elements), every stored value canonical (Note [Canonical
+// NaN]); kCanonicalMoments false leaves a NaN moment as computed, for 8-bit moments, which
+// code every NaN alike.
+template <bool AMSGRAD, typename Ops, bool kCanonicalMoments = true, typename V>
+RUDA_HOST_DEVICE inline void adamw_element(V& p, V stored_grad, V& m, V& v, V& v_max,
+                                           const StepCoefs<V>& c) {
+  const V v_used = adamw_moments<AMSGRAD, Ops>(p, stored_grad, m, v, v_max, c);
+  const V m_hat = Ops::div_step(m, c.bc1, c.inv_bc1);
+  const V v_hat = Ops::div_step(v_used, c.bc2, c.inv_bc2);
+  p = Ops::canonical(adamw_param<Ops>(p, m_hat, v_hat, c));
+  if (kCanonicalMoments) {
+    m = Ops::canonical(m);
+    v = Ops::canonical(v);
+    if (AMSGRAD) v_max = Ops::canonical(v_max);
+  }
 }
 
 }  // namespace ruda

@@ -316,6 +316,7 @@ AdamWLaunch prepare_launch(const char* op, size_t n, const at::Device& device,
 
   AdamWLaunch L;
   L.table = nullptr;  // placed by the backend
+  L.edges8 = false;   // set with the table (edges8_of)
   L.n_tensors = static_cast<int64_t>(n);
   L.n_units = 0;  // set with the table
   L.param_dtype = dtype_of(pdtype);
@@ -346,9 +347,42 @@ AdamWLaunch prepare_launch(const char* op, size_t n, const at::Device& device,
   L.state_rounding = (rounding & 2) != 0 ? Rounding::kStochastic : Rounding::kNearestEven;
   L.seed = static_cast<uint64_t>(seed);
   L.hyper = {lr, beta1, beta2, eps, weight_decay, lr_f32, lr_f64, !decoupled};
+  set_float_consts(L.hyper);
   L.control = {ptr_or_null(grad_scale), ptr_or_null(found_inf), ptr_or_null(stats),
                ptr_or_null(clip_coef),  max_grad_norm,          maximize};
   return L;
+}
+
+// With 8-bit moments: whether a tensor of `entries` has a block the CUDA kernels do not
+// access directly (Note [8-bit CUDA registers] in csrc/cuda/adamw_cuda.cu): a last block
+// shorter than kBlock8, or parameters, gradients, masters or codes not aligned for their
+// wide accesses (16 bytes for elements, 8 for codes).
+bool edges8_of(const AdamWLaunch& L, const std::vector<TensorEntry>& entries) {
+  if (L.state_dtype != DType::kUInt8) return false;
+  const auto misaligned = [](const void* p, uintptr_t bytes) {
+    return reinterpret_cast<uintptr_t>(p) % bytes != 0;
+  };
+  for (const TensorEntry& e : entries) {
+    if (e.numel == 0) continue;
+    const int64_t off = e.state_offset;
+    if (e.numel % kBlock8 != 0 || misaligned(e.param, 16) || misaligned(e.grad, 16) ||
+        (L.master != nullptr && misaligned(L.master + off, 16)) ||
+        misaligned(static_cast<uint8_t*>(L.exp_avg) + off, 8) ||
+        misaligned(static_cast<uint8_t*>(L.exp_avg_sq) + off, 8) ||
+        (L.max_exp_avg_sq != nullptr &&
+         misaligned(static_cast<uint8_t*>(L.max_exp_avg_sq) + off, 8))) {
+      return true;
+    }
+  }
+  return false;
+}
+
+// The CUDA kernels count units and tensors in 32 bits (Note [CUDA tile walk] in
+// csrc/cuda/adamw_cuda.cu): 2^31 units of kCudaTile elements are 8.8e12 elements.
+void check_units(const char* op, int64_t units, size_t tensors) {
+  TORCH_CHECK(units < kMaxUnits && static_cast<int64_t>(tensors) < kMaxUnits, "ruda_torch.", op,
+              ": one call steps fewer than 2^31 tiles and tensors (got ", units, " tiles of ",
+              tensors, " tensors); split the parameters over several calls (param groups)");
 }
 
 }  // namespace
@@ -500,7 +534,9 @@ AdamWLaunch prepare_flat_step(const FlatBucket& fb, bool amsgrad,
     const TensorEntry& e = fb.active.back();
     units = e.unit_start + (e.numel + fb.unit - 1) / fb.unit;
   }
+  check_units("adamw_scaled_", units, fb.active.size());
   L.n_units = units;
+  L.edges8 = edges8_of(L, fb.active);
   return L;
 }
 
@@ -606,7 +642,9 @@ PreparedAdamW prepare_adamw(
   if (scales.has_value()) written.push_back(span_of(*scales, "scales"));
   written.push_back(span_of(steps, "steps"));
   check_no_aliasing(op, std::move(written), read_only);
+  check_units(op, units, n);
   prep.launch.n_units = units;
+  prep.launch.edges8 = edges8_of(prep.launch, prep.table);
   return prep;
 }
 

@@ -10,6 +10,9 @@ namespace ruda {
 // Elements per update work unit (TensorEntry::unit_start counts these).
 constexpr int64_t kCpuTile = 16384;
 constexpr int64_t kCudaTile = 4096;
+// The units and tensors of one update call: below 2^31, which the CUDA kernels count in 32
+// bits (checked by the binding).
+constexpr int64_t kMaxUnits = int64_t(1) << 31;
 
 // The CPU kernels. They are defined once per vector ISA, each build in its own module
 // (csrc/cpu/kernels/, `ruda_torch._cpu_<isa>`); in `ruda_torch._C` these names forward to

@@ -51,6 +51,10 @@ struct AdamWHyper {
   const double* lr_f64;
   // Note [Weight decay modes] in adamw_math.h: false decoupled (AdamW), true L2 (Adam).
   bool l2;
+  // The FP32 casts of the constants above (Note [Bias correction] in adamw_math.h), made
+  // once with them (set_float_consts in adamw_math.h): the kernels read them as launch
+  // constants instead of converting each time.
+  float beta1_f, one_minus_beta1_f, beta2_f, one_minus_beta2_f, eps_f, weight_decay_f;
 };
 
 // Device-resident control values (any pointer may be null), read by the kernel itself
@@ -84,6 +88,11 @@ struct AdamWLaunch {
   float* exp_avg_sq_scales;
   float* max_exp_avg_sq_scales;
   float* master;  // FP32 master weights of 16-bit parameters, or null
+  // 8-bit moments: whether some block of the launch is not a whole block of 16-byte aligned
+  // elements (the last block of a tensor whose size is no multiple of kBlock8, a view not
+  // 16-byte aligned), which the CUDA kernels step in a launch of their own (Note [8-bit
+  // CUDA registers] in csrc/cuda/adamw_cuda.cu); set by the binding with the table.
+  bool edges8;
   float* steps;
   Rounding rounding;        // 16-bit parameters without master weights
   Rounding state_rounding;  // BF16 moments

@@ -34,6 +34,7 @@ COVERED = {
     "merge_kernel": "test_merge_matches_cpu",
     "merge_chunks_kernel": "test_merge_chunks_matches_cpu",
     "adamw8_kernel": "test_update_8bit_matches_cpu",
+    "adamw8_edge_kernel": "test_update_8bit_matches_cpu",
     "quantize8_kernel": "test_quantize_8bit_matches_cpu",
     "dequantize8_kernel": "test_quantize_8bit_matches_cpu",
 }
@@ -204,22 +205,33 @@ def test_update_matches_cpu(sim, schedule, variant, unaligned):
     assert cpu["steps"].tolist() == (torch.arange(len(SIZES)) * 3 + 1).float().tolist()
 
 
+@pytest.mark.parametrize("views", ["aligned", "unaligned"])
 @pytest.mark.parametrize("layout", ["packed", "scales-apart"])
 @pytest.mark.parametrize(
     "pdtype,amsgrad,master,rounding",
     [(torch.float32, False, False, 0), (torch.float32, True, False, 0),
-     (torch.bfloat16, True, False, 1), (torch.float16, False, True, 0)],
-    ids=["fp32", "fp32-amsgrad", "bf16-amsgrad-stochastic", "fp16-master"],
+     (torch.bfloat16, True, False, 1), (torch.float16, False, True, 0),
+     (torch.bfloat16, False, True, 0)],
+    ids=["fp32", "fp32-amsgrad", "bf16-amsgrad-stochastic", "fp16-master", "bf16-master"],
 )  # fmt: skip
-def test_update_8bit_matches_cpu(sim, schedule, pdtype, amsgrad, master, rounding, layout):
-    """8-bit moments (Note [8-bit moments] in csrc/quant8.h): the emulated kernel (a warp per
-    block of 256, the new scale reduced by shuffles) writes the CPU kernel's parameters,
-    masters, codes, scales and counters, with sizes that end mid-block; with the scales in
-    each moment buffer (packed) or in a buffer of their own (the optimizer's buckets)."""
+def test_update_8bit_matches_cpu(sim, schedule, pdtype, amsgrad, master, rounding, layout,
+                                 views):  # fmt: skip
+    """8-bit moments (Note [8-bit moments] in csrc/quant8.h): the emulated kernels (a warp per
+    block of 256, lane l its elements 8 l .. 8 l + 7, the new scale reduced by shuffles;
+    the blocks not accessed directly, a tensor's shorter last block and every block of a
+    view that is not 16-byte aligned, in a launch of their own through shared memory) write
+    the CPU kernel's parameters, masters, codes, scales and counters, with sizes that end
+    mid-block and whole ones; with the scales in each moment buffer (packed) or in a buffer
+    of their own (the optimizer's buckets)."""
     from test_quant8 import _bucket_8bit
 
-    sizes = [97, 0, 1025, 256, 4097]  # 4097: past a CUDA tile (4096)
+    sizes = [97, 0, 1025, 256, 4097, 8192]  # 4097: past a CUDA tile (4096)
     params, grads, state, _ = _bucket_8bit(sizes, amsgrad, pdtype, seed=3, master=master)
+    if views == "unaligned":  # odd element offsets: not 16-byte aligned
+        params = [torch.empty(p.numel() + 1, dtype=p.dtype)[1:].copy_(p) if i % 2 else p
+                  for i, p in enumerate(params)]  # fmt: skip
+        grads = [torch.empty(g.numel() + 1, dtype=g.dtype)[1:].copy_(g) if i % 3 == 2 else g
+                 for i, g in enumerate(grads)]  # fmt: skip
     state = dict(state, params=params, grads=grads)
     if layout == "scales-apart":
         keys = [k for k in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq") if state[k] is not None]
@@ -331,6 +343,18 @@ def test_quantize_8bit_matches_cpu(sim, schedule, code, n):
     emu_out = torch.full_like(x, -1.0)
     sim.dequantize_8bit(codes, scales, emu_out, ops.CODES_8BIT.index(code))
     _same(emu_out, ops.dequantize_8bit(codes, scales, code), "decoded values")
+
+
+@pytest.mark.parametrize("code", ops.CODES_8BIT)
+def test_dequantize_every_code_matches_cpu(sim, code):
+    """All 256 codes of each kind decoded by the CUDA kernels (decode8_scaled: the code's bits
+    placed in an FP32 and one exact product, Note [8-bit moments]) and by the CPU kernels,
+    with scales of every kind: tiny, huge, zero, one."""
+    codes = torch.arange(256, dtype=torch.uint8).repeat(6)
+    scales = torch.tensor([1.0, 3.0e38, 1.5e-38, 0.0, 7.25e-3, 2.0**-100])
+    out = torch.full((codes.numel(),), -1.0)
+    sim.dequantize_8bit(codes, scales, out, ops.CODES_8BIT.index(code))
+    _same(out, ops.dequantize_8bit(codes, scales, code), f"{code} codes")
 
 
 def test_grid_is_sized_from_the_emulated_device(sim):

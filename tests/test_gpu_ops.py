@@ -538,9 +538,9 @@ def test_bucket_state_offsets_and_merges_beyond_int32():
 
 def test_update_grid_is_one_wave_of_resident_blocks(tmp_path):
     """max_resident_blocks sizes the grid by the kernel's real occupancy: SMs x the blocks
-    of 256 threads that its registers let one SM hold (2048 / 256 = 8 would assume no
-    register limit; 47-48 registers per thread fit 5). Read from the profiler's record of
-    the launch: grid size and registers per thread."""
+    that its registers let one SM hold (2048 / threads would assume no register limit).
+    Read from the profiler's record of the launch: grid and block size, registers per
+    thread."""
     import json
 
     from torch.profiler import ProfilerActivity, profile
@@ -567,10 +567,10 @@ def test_update_grid_is_one_wave_of_resident_blocks(tmp_path):
     ]
     assert len(events) == 1, [e.get("name") for e in events]
     args = events[0]["args"]
-    grid, regs = args["grid"][0], args["registers per thread"]
-    per_block = -(-regs * 32 // 256) * 256 * (256 // 32)  # registers are allocated per warp
+    grid, block, regs = args["grid"][0], args["block"][0], args["registers per thread"]
+    per_block = -(-regs * 32 // 256) * 256 * (block // 32)  # registers are allocated per warp
     by_registers = getattr(props, "regs_per_multiprocessor", 65536) // per_block
-    expected = props.multi_processor_count * min(by_registers, 2048 // 256)
+    expected = props.multi_processor_count * min(by_registers, 2048 // block)
     assert grid == min(units, expected), (grid, regs, expected)
 
 

@@ -17,21 +17,35 @@
 namespace ruda {
 namespace {
 
-constexpr int kThreads = 256;
+// The update kernels' blocks: 128 threads, 8 blocks per SM (32 warps, 50% occupancy), which
+// 64 registers per thread allow (65,536 per SM); the compiler is held to that. Each thread
+// steps 32 elements of a 4096-element tile, which amortizes the tile's bookkeeping (Note
+// [CUDA tile walk]) over twice the elements that 256-thread blocks would.
+constexpr int kThreads = 128;
+constexpr int kBlocksPerSm = 8;
 constexpr int kVec = 4;  // elements per vector access
 static_assert(kCudaTile % (kThreads * kVec) == 0, "a tile is whole block-wide vector steps");
 
 // Advances the step counter of every tensor in the call, unless the step is skipped.
 // A separate launch, so that every block of the update kernel reads the new value.
-__global__ void advance_steps_kernel(const TensorEntry* table, int64_t n, float* steps,
-                                     StepControl control) {
+__global__ void __launch_bounds__(kThreads)
+    advance_steps_kernel(const TensorEntry* table, int64_t n, float* steps, StepControl control) {
   if (decide_step(control).skip) return;
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
        i += int64_t(gridDim.x) * blockDim.x) {
     float& s = steps[table[i].step_index];
-    s = s + 1.0f;
+    s = s + 1.0f;  // static-check: 32-bit (a step counter per tensor)
   }
 }
+
+// A unit (tile) of a launch: its tensor's pointers, its first element of the tensor and
+// that element's state index, its number of elements.
+struct UnitTile {
+  void* param;
+  const void* grad;
+  int64_t first, state0;
+  int32_t count;
+};
 
 // The math and state type of a parameter dtype (Note [Parameter dtypes]).
 template <typename P>
@@ -165,7 +179,8 @@ __device__ inline void update_one(const Slice<P, G, S>& s, int64_t k, const Step
 // alignment).
 template <typename P, typename G, typename S, bool AMSGRAD>
 __device__ inline void update_vec(const Slice<P, G, S>& s, int64_t k, const StepCoefs<float>& c,
-                                  const AdamWLaunch& L, uint32_t key, int64_t index) {
+                                  const AdamWLaunch& L, uint32_t key, int64_t index,
+                                  const volatile UnitTile& out) {
   float pv[kVec], gv[kVec], mv[kVec], vv[kVec], vmv[kVec];
   if constexpr (kIs16Bit<P>) {
     if (s.master != nullptr) {
@@ -208,137 +223,456 @@ __device__ inline void update_vec(const Slice<P, G, S>& s, int64_t k, const Step
     r_v[j] = r.mv >> 16;
     r_vm[j] = r.vm;
   }
-  store_moments(s.m + k, mv, s.state_rounding, r_m);
-  store_moments(s.v + k, vv, s.state_rounding, r_v);
-  if (AMSGRAD) store_moments(s.vm + k, vmv, s.state_rounding, r_vm);
+  // The moments' addresses made again from the tile's state index, read anew (`out`:
+  // volatile), not held in registers through the arithmetic (Note [CUDA tile walk]).
+  const int64_t at = out.state0 + k;
+  store_moments(static_cast<S*>(L.exp_avg) + at, mv, s.state_rounding, r_m);
+  store_moments(static_cast<S*>(L.exp_avg_sq) + at, vv, s.state_rounding, r_v);
+  if (AMSGRAD) store_moments(static_cast<S*>(L.max_exp_avg_sq) + at, vmv, s.state_rounding, r_vm);
 }
 
-// What a tile (unit u) of an update launch steps: its tensor, the coefficients and
-// rounding key of the tensor's counter, and its element range [begin, end).
+// Note [CUDA tile walk]
+// The units of a launch (tiles of kCudaTile elements, Note [Tensor table]) are dealt to
+// the blocks in contiguous runs: block b steps units [b per, (b + 1) per), per =
+// ceil(n_units / gridDim.x). A block finds the tensor of its first unit by binary search,
+// once, then walks the table forward, and makes the step's coefficients (two FP64 powers
+// by repeated squaring, the rounding key) once per run of equal step counters, as the CPU
+// kernel does (run() in csrc/cpu/kernels/adamw_cpu.cpp): a bucket of many small tensors at
+// one step costs a table entry and a counter per tile, not a search and two powers. (With
+// a grid-stride loop, block b stepping units b, b + grid, ..., every tile of a block was
+// another tensor, and that work about 43 instructions per element; docs/performance.md.)
 template <typename M>
-struct Tile {
-  TensorEntry e;
-  int64_t t;
-  StepCoefs<M> c;
-  uint32_t key;
-  int64_t begin, end;
+struct TileWalk {
+  // 32-bit: the binding keeps units below 2^31 (kMaxUnits in csrc/kernels.h).
+  int32_t u, u_end;  // the block's units still to step: [u, u_end)
+  int32_t i, next;   // the tensor of unit u, and the first unit of tensor i + 1
+  float counter;     // the step counter the values below are for (NaN: none yet)
+  // Its bias corrections (Note [Bias correction]): FP32 math takes their FP64 reciprocals
+  // (Note [Division by a step constant]), FP64 math divides by them.
+  double bc1, bc2;
+  // The random streams of its step (Note [Stochastic rounding bits]): the parameters', and
+  // the BF16 moments' (Note [Low-precision states]).
+  uint32_t key, key_mv, key_vm;
+
+  // Not a constructor: the 8-bit kernel keeps its walks in shared memory.
+  __device__ void init(const AdamWLaunch& L) {
+    const int32_t n_units = static_cast<int32_t>(L.n_units);
+    const int32_t grid = static_cast<int32_t>(gridDim.x);
+    const int32_t per = (n_units + grid - 1) / grid;
+    u = static_cast<int32_t>(blockIdx.x) * per;
+    u_end = min(u + per, n_units);
+    i = u < u_end ? static_cast<int32_t>(find_tensor(L.table, L.n_tensors, u)) : 0;
+    next = next_start(L);
+    counter = float_from_bits(kCanonicalNaNBits);
+  }
+
+  __device__ int32_t next_start(const AdamWLaunch& L) const {
+    return static_cast<int32_t>(i + 1 < L.n_tensors
+                                    ? L.table[i + 1].unit_start
+                                    : L.n_units);  // static-check: 32-bit (a table entry)
+  }
+
+  // The coefficients of unit u (Note [Division by a step constant]: FP32 math needs the
+  // bias corrections' reciprocals only).
+  __device__ StepCoefs<M> coefs(const AdamWLaunch& L, float factor, double lr) const {
+    if constexpr (std::is_same_v<M, float>) {
+      return coefs_at<M>(L.hyper, factor, lr, 0.0f, 0.0f, bc1, bc2);
+    } else {
+      return coefs_at<M>(L.hyper, factor, lr, bc1, bc2, 0.0, 0.0);
+    }
+  }
+
+  // Moves to unit u (false past the block's run): its step values, and its tile into `tile`.
+  __device__ bool at_unit(const AdamWLaunch& L, UnitTile& tile) {
+    if (u >= u_end) return false;
+    while (u >= next) {  // the tensors before unit u (empty ones own no unit)
+      ++i;
+      next = next_start(L);
+    }
+    const TensorEntry& e = L.table[i];
+    const float now = L.steps[e.step_index];  // static-check: 32-bit (a tile's step counter)
+    if (!(now == counter)) {  // a NaN counter is made every time (it counts as t = 1)
+      counter = now;
+      const int64_t t = step_count(now);  // Note [Step counter range]
+      bc1 = static_cast<double>(bias_correction<M>(L.hyper.beta1, t));
+      bc2 = static_cast<double>(bias_correction<M>(L.hyper.beta2, t));
+      if constexpr (std::is_same_v<M, float>) {
+        bc1 = 1.0 / bc1;
+        bc2 = 1.0 / bc2;
+      }
+      key = rounding_key(L.seed, t);
+      key_mv = moment_key(L.seed, t, Moment::kAverages);
+      key_vm = moment_key(L.seed, t, Moment::kMaxExpAvgSq);
+    }
+    const int64_t first = static_cast<int64_t>(u - e.unit_start) * kCudaTile;
+    tile.count = static_cast<int32_t>(min(kCudaTile, e.numel - first));
+    tile.param = e.param;
+    tile.grad = e.grad;
+    tile.first = first;
+    tile.state0 = e.state_offset + first;
+    return true;
+  }
 };
 
-template <typename M>
-__device__ inline Tile<M> tile_of(const AdamWLaunch& L, int64_t u, float factor) {
-  Tile<M> tile;
-  tile.e = L.table[find_tensor(L.table, L.n_tensors, u)];
-  tile.t = step_count(L.steps[tile.e.step_index]);  // Note [Step counter range]
-  tile.c = make_coefs<M>(L.hyper, factor, tile.t);
-  tile.key = rounding_key(L.seed, tile.t);  // Note [Stochastic rounding bits]
-  tile.begin = (u - tile.e.unit_start) * kCudaTile;
-  tile.end = min(tile.begin + kCudaTile, tile.e.numel);
-  return tile;
-}
-
 template <typename P, typename G, typename S, bool AMSGRAD>
-__global__ void __launch_bounds__(kThreads) adamw_kernel(AdamWLaunch L) {
+__global__ void __launch_bounds__(kThreads, kBlocksPerSm) adamw_kernel(AdamWLaunch L) {
   using M = MathOf<P>;
   const StepDecision d = decide_step(L.control);
   if (d.skip) return;  // parameters, moments and step counters stay bit-identical
-  for (int64_t u = blockIdx.x; u < L.n_units; u += gridDim.x) {
-    const Tile<M> tile = tile_of<M>(L, u, d.factor);
-    const TensorEntry& e = tile.e;
-    const int64_t t = tile.t, begin = tile.begin, end = tile.end;
-    const StepCoefs<M>& c = tile.c;
-    const uint32_t key = tile.key;
+  const double lr = learning_rate(L.hyper);  // a Tensor lr: one load
+  __shared__ TileWalk<M> walks[kThreads];    // Note [CUDA tile walk]
+  TileWalk<M>& w = walks[threadIdx.x];
+  // The tiles too (read as needed): a tile's fields held in registers made some variants
+  // spill (the AMSGrad ones with BF16 moments, FP64 math).
+  __shared__ UnitTile tiles[kThreads];
+  UnitTile& tile = tiles[threadIdx.x];
+  w.init(L);
+  for (; w.at_unit(L, tile); ++w.u) {
+    const StepCoefs<M> c = w.coefs(L, d.factor, lr);
+    const int32_t end = tile.count;
+    const int64_t state0 = tile.state0;
     Slice<P, G, S> s;
-    s.p = static_cast<P*>(e.param);
-    s.g = static_cast<const G*>(e.grad);
-    s.m = static_cast<S*>(L.exp_avg) + e.state_offset;
-    s.v = static_cast<S*>(L.exp_avg_sq) + e.state_offset;
-    s.vm = AMSGRAD ? static_cast<S*>(L.max_exp_avg_sq) + e.state_offset : nullptr;
+    s.p = static_cast<P*>(tile.param) + tile.first;
+    s.g = static_cast<const G*>(tile.grad) + tile.first;
+    s.m = static_cast<S*>(L.exp_avg) + state0;
+    s.v = static_cast<S*>(L.exp_avg_sq) + state0;
+    s.vm = AMSGRAD ? static_cast<S*>(L.max_exp_avg_sq) + state0 : nullptr;
     s.state_rounding = L.state_rounding;
-    s.key_mv = kBf16State<S> ? moment_key(L.seed, t, Moment::kAverages) : 0;
-    s.key_vm = kBf16State<S> ? moment_key(L.seed, t, Moment::kMaxExpAvgSq) : 0;
-    s.master = kIs16Bit<P> && L.master != nullptr ? L.master + e.state_offset : nullptr;
+    s.key_mv = w.key_mv;
+    s.key_vm = w.key_vm;
+    s.master = kIs16Bit<P> && L.master != nullptr ? L.master + state0 : nullptr;
     bool aligned = false;
     if constexpr (!std::is_same_v<P, double>) {  // FP64: scalar accesses (a rare dtype)
-      aligned = is_aligned<kVec>(s.p) && is_aligned<kVec>(s.g) && is_aligned<kVec>(s.m) &&
-                is_aligned<kVec>(s.v) && (!AMSGRAD || is_aligned<kVec>(s.vm)) &&
-                (s.master == nullptr || is_aligned<kVec>(s.master));
+      // Every access kVec elements wide: the addresses' low bits together (state and
+      // master elements are 4 bytes, or 2 for BF16 moments; parameters and gradients 2 or 4).
+      const auto bits = [](const void* q) { return reinterpret_cast<uintptr_t>(q); };
+      aligned = ((bits(s.p) % (kVec * sizeof(P))) | (bits(s.g) % (kVec * sizeof(G))) |
+                 (bits(s.m) | bits(s.v) | (AMSGRAD ? bits(s.vm) : 0)) % (kVec * sizeof(S)) |
+                 (s.master != nullptr ? bits(s.master) % (kVec * sizeof(float)) : 0)) == 0;
     }
     if (aligned) {
       if constexpr (!std::is_same_v<P, double>) {
-        for (int64_t k = begin + int64_t(threadIdx.x) * kVec; k < end; k += kThreads * kVec) {
+        for (int32_t k = static_cast<int32_t>(threadIdx.x) * kVec; k < end; k += kThreads * kVec) {
           if (k + kVec <= end) {
-            update_vec<P, G, S, AMSGRAD>(s, k, c, L, key, e.state_offset + k);
+            update_vec<P, G, S, AMSGRAD>(s, k, c, L, w.key, state0 + k, tile);
           } else {
-            for (int64_t kk = k; kk < end; ++kk) {
-              update_one<P, G, S, AMSGRAD>(s, kk, c, L, key, e.state_offset + kk);
+            for (int32_t kk = k; kk < end; ++kk) {
+              update_one<P, G, S, AMSGRAD>(
+                  s, kk, c, L, w.key, state0 + kk);  // static-check: 32-bit (the last elements)
             }
           }
         }
       }
     } else {  // a view that is not aligned for wide accesses: scalar accesses, same math
-      for (int64_t k = begin + threadIdx.x; k < end; k += kThreads) {
-        update_one<P, G, S, AMSGRAD>(s, k, c, L, key, e.state_offset + k);
+      // (the tile's count read for each element: FP64 math holds twice the registers)
+      const volatile UnitTile& vt = tile;
+      for (int32_t k = static_cast<int32_t>(threadIdx.x); k < vt.count; k += kThreads) {
+        update_one<P, G, S, AMSGRAD>(s, k, c, L, w.key,
+                                     state0 + k);  // static-check: 32-bit (not aligned)
       }
     }
   }
 }
 
 // Note [8-bit moments] in csrc/quant8.h: each warp steps one block of kBlock8 elements at
-// a time (store_block8 in cuda_utils.cuh: lane l the elements l, l + 32, ...), decoded to
-// FP32, stepped by adamw_element as FP32 moments, coded again with the block's new scale.
+// a time, lane l its elements 8 l .. 8 l + 7 (Note [8-bit CUDA lanes] in cuda_utils.cuh),
+// decoded to FP32, stepped as FP32 moments, coded again with the block's new scale.
+//
+// Note [8-bit CUDA registers]
+// A kernel of at most 64 registers runs 32 warps per SM (50% occupancy); the 8-bit step
+// holds more than the FP32 one (codes, scales, the largest magnitudes), and the compiler
+// left to itself used 90 to 105 registers, or spilled at 64. So: a lane steps its 8
+// elements in two halves of 4, each half's parameters (and masters) loaded, stepped and
+// stored before the next, its new moments parked in shared memory (Park8) with only their
+// largest magnitudes kept, and read back to be coded once the block's scales are known; the
+// walk's state between tiles (Note [CUDA tile walk]) and the tile are kept in shared
+// memory, one per warp (what the compiler would have spilled to local memory, used once per
+// tile and block); and the blocks of a tile that the lanes cannot access directly (the
+// last, shorter block of a tensor, every block of a view that is not 16-byte aligned) are
+// stepped by a kernel of its own (adamw8_edge_kernel), reading and writing them element by
+// element, so that neither kernel holds the registers of the other's accesses. 12 KiB of
+// shared memory per block of 128 threads (the park) lets 8 blocks run on an SM of sm_80
+// (164 KiB) as of sm_90 (228 KiB).
 static_assert(kCudaTile % kBlock8 == 0, "tiles are whole 8-bit blocks");
-constexpr int kWarps8 = kThreads / 32;
+constexpr int kThreads8 = kThreads;
+constexpr int kWarps8 = kThreads8 / 32;
+constexpr int kBlocksPerSm8 = kBlocksPerSm;
 
-template <typename P, typename G, bool AMSGRAD>
-__global__ void __launch_bounds__(kThreads) adamw8_kernel(AdamWLaunch L) {
-  const StepDecision d = decide_step(L.control);
-  if (d.skip) return;  // parameters, moments and step counters stay bit-identical
-  const int warp = static_cast<int>(threadIdx.x / 32), lane = static_cast<int>(threadIdx.x % 32);
-  for (int64_t u = blockIdx.x; u < L.n_units; u += gridDim.x) {
-    const Tile<float> tile = tile_of<float>(L, u, d.factor);
-    const int64_t begin = tile.begin, end = tile.end, off = tile.e.state_offset;
-    const StepCoefs<float>& c = tile.c;
-    const uint32_t key = tile.key;
-    Slice<P, G, float> s;
-    s.p = static_cast<P*>(tile.e.param);
-    s.g = static_cast<const G*>(tile.e.grad);
-    s.m = s.v = s.vm = nullptr;  // in registers
-    s.master = kIs16Bit<P> && L.master != nullptr ? L.master + off : nullptr;
-    s.state_rounding = Rounding::kNearestEven;
-    s.key_mv = s.key_vm = 0;
-    uint8_t* mc = static_cast<uint8_t*>(L.exp_avg) + off;
-    uint8_t* vc = static_cast<uint8_t*>(L.exp_avg_sq) + off;
-    uint8_t* vmc = AMSGRAD ? static_cast<uint8_t*>(L.max_exp_avg_sq) + off : nullptr;
-    for (int64_t kb = begin + warp * kBlock8; kb < end; kb += kWarps8 * kBlock8) {
-      const int64_t b = (off + kb) / kBlock8;
-      // Read before lane 0 writes the new scales: each value feeds the shuffles below.
-      const float sm = L.exp_avg_scales[b], sv = L.exp_avg_sq_scales[b];
-      const float svm = AMSGRAD ? L.max_exp_avg_sq_scales[b] : 0.0f;
-      float m[kPerLane8], v[kPerLane8], vm[kPerLane8];
+// Each thread's new moments, a half (4 values) at a time: moment q's half h of thread t at
+// [q][h][t] (consecutive threads' 16 bytes consecutive: no bank conflict).
+struct Park8 {
+  float2 v[3][4][kThreads8];
+};
+
+// A moment's codes at state index k of the launch's buffer q (0 exp_avg, 1 exp_avg_sq, 2
+// max_exp_avg_sq).
+__device__ inline uint8_t* codes8(const AdamWLaunch& L, int q, int64_t k) {
+  void* base = q == 0 ? L.exp_avg : q == 1 ? L.exp_avg_sq : L.max_exp_avg_sq;
+  return static_cast<uint8_t*>(base) + k;
+}
+
+// A block's pointers at element kb of a tile, read from the tile in shared memory for each
+// block (volatile: not held in registers through the block loop, Note [8-bit CUDA
+// registers]).
+template <typename P, typename G>
+struct Tile8 {
+  P* p;
+  const G* g;
+  float* master;  // null without master weights
+  int64_t state;  // the state index of element kb
+};
+
+template <typename P, typename G>
+__device__ inline Tile8<P, G> tile8(const AdamWLaunch& L, const UnitTile& tile, bool has_master,
+                                    int32_t kb) {
+  const volatile UnitTile& vt = tile;
+  const int64_t first = vt.first + kb, state = vt.state0 + kb;
+  return {static_cast<P*>(const_cast<void*>(vt.param)) + first,
+          static_cast<const G*>(const_cast<const void*>(vt.grad)) + first,
+          has_master ? L.master + state : nullptr, state};
+}
+
+// One block stepped by a warp: `p`, `g` and `master` (null without) at the block's first
+// element, `sk` its first state index, `n` its elements (kBlock8 unless kEdge). kEdge: the
+// block's n elements read and written one by one (a tensor's shorter last block, a view
+// that is not 16-byte aligned: Note [8-bit CUDA registers]).
+template <typename P, typename G, bool AMSGRAD, bool kEdge>
+__device__ inline void step_block8(const AdamWLaunch& L, const StepCoefs<float>& c, P* p,
+                                   const G* g, float* master, int64_t sk, int n, Park8& park,
+                                   const TileWalk<float>& w, const UnitTile& tile, int32_t kb) {
+  constexpr int kMoments = AMSGRAD ? 3 : 2;
+  const int lane = static_cast<int>(threadIdx.x % 32), tid = static_cast<int>(threadIdx.x);
+  // Launch-uniform (the launch's own pointer, not the block's): one branch for all lanes.
+  const bool with_master = kIs16Bit<P> && L.master != nullptr;
+  const int64_t b = sk / kBlock8;
+  // Read before lane 0 writes the new scales: each value feeds the shuffles below.
+  float sc[3];
+  sc[0] = L.exp_avg_scales[b];                          // static-check: 32-bit (a block's scale)
+  sc[1] = L.exp_avg_sq_scales[b];                       // static-check: 32-bit (a block's scale)
+  sc[2] = AMSGRAD ? L.max_exp_avg_sq_scales[b] : 0.0f;  // static-check: 32-bit (a block's scale)
+  const int k = 8 * lane;                               // the lane's first element of the block
+  // The parameters' random bits (stochastic rounding): a block of kBlock8 from a multiple of
+  // kBlock8 shares its indices' high 32 bits.
+  const uint32_t high = rounding_high(static_cast<const volatile TileWalk<float>&>(w).key, sk);
+  const uint32_t low = static_cast<uint32_t>(sk);
+  uint2 cw[3];
+  if constexpr (kEdge) {  // the block's codes byte by byte, zeros past its end
+    for (int q = 0; q < kMoments; ++q) {
+      const uint8_t* codes = codes8(L, q, sk);
+      uint32_t word[2] = {0u, 0u};
 #pragma unroll
       for (int j = 0; j < kPerLane8; ++j) {
-        const int64_t k = kb + lane + 32 * j;
-        m[j] = v[j] = vm[j] = 0.0f;
-        if (k < end) {
-          m[j] = dequantize8<Code8::kSigned>(mc[k], sm);
-          v[j] = dequantize8<Code8::kUnsigned>(vc[k], sv);
-          if (AMSGRAD) vm[j] = dequantize8<Code8::kUnsigned>(vmc[k], svm);
-          step_element<P, G, float, AMSGRAD>(s, k, c, L, key, off + k, m[j], v[j], vm[j]);
+        if (k + j < n) word[j / 4] |= static_cast<uint32_t>(codes[k + j]) << (8 * (j % 4));
+      }
+      cw[q] = make_uint2(word[0], word[1]);
+    }
+  } else {
+    for (int q = 0; q < kMoments; ++q) {
+      cw[q] = __ldca(reinterpret_cast<const uint2*>(codes8(L, q, sk + k)));
+    }
+  }
+  // The old moments decoded into the park, which the new ones then replace quarter by
+  // quarter: the codes and scales are not held through the arithmetic.
+#pragma unroll
+  for (int q = 0; q < kMoments; ++q) {
+    float x[kPerLane8];
+#pragma unroll
+    for (int j = 0; j < kPerLane8; ++j) {
+      x[j] = q == 0 ? dequantize8_scaled<Code8::kSigned>(code_of(cw[q], j), sc[q])
+                    : dequantize8_scaled<Code8::kUnsigned>(code_of(cw[q], j), sc[q]);
+    }
+#pragma unroll
+    for (int h = 0; h < 4; ++h) park.v[q][h][tid] = make_float2(x[2 * h], x[2 * h + 1]);
+  }
+  uint32_t largest[3] = {0u, 0u, 0u};
+  Quarters8<P> pq;
+  Quarters8<G> gq;
+  Quarters8<float> mq;
+#pragma unroll
+  for (int h = 0; h < 4; ++h) {  // the lane's elements a quarter (2) at a time
+    if constexpr (kEdge) {
+      pq.load_each(p + k, h, n - k);
+      gq.load_each(g + k, h, n - k);
+      if (with_master) mq.load_each(master + k, h, n - k);
+    } else {
+      pq.template load<true>(p + k, h);
+      gq.template load<true>(g + k, h);
+      if (with_master) mq.template load<true>(master + k, h);
+    }
+    const float2 m2 = park.v[0][h][tid], v2 = park.v[1][h][tid];
+    const float2 vm2 = AMSGRAD ? park.v[2][h][tid] : make_float2(0.0f, 0.0f);
+    float m[2] = {m2.x, m2.y}, v[2] = {v2.x, v2.y}, vm[2] = {vm2.x, vm2.y};
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      float pk;
+      if constexpr (kIs16Bit<P>) {
+        const uint16_t bits = pq.bits16(h, j);
+        pk = with_master ? master_or_param<kIsHalf<P>>(mq.value(h, j), bits, widen<P>(bits))
+                         : widen<P>(bits);
+      } else {
+        pk = pq.value(h, j);
+      }
+      adamw_element<AMSGRAD, ScalarOps, false>(pk, gq.value(h, j), m[j], v[j], vm[j], c);
+      if constexpr (kIs16Bit<P>) {
+        if (with_master) mq.set(h, j, __float_as_uint(pk));
+        pq.set(h, j, round_param_split<kIsHalf<P>>(pk, L.rounding, high, low + k + 2 * h + j));
+      } else {
+        pq.set(h, j, __float_as_uint(pk));
+      }
+    }
+    largest[0] = largest_of(m, 2, largest[0]);
+    largest[1] = largest_of(v, 2, largest[1]);
+    if (AMSGRAD) largest[2] = largest_of(vm, 2, largest[2]);
+    park.v[0][h][tid] = make_float2(m[0], m[1]);
+    park.v[1][h][tid] = make_float2(v[0], v[1]);
+    if (AMSGRAD) park.v[2][h][tid] = make_float2(vm[0], vm[1]);
+    if constexpr (kEdge) {  // the block's elements only
+      if (Quarters8<P>::stored_after(h)) {
+        const int f = Quarters8<P>::first(h);
+#pragma unroll
+        for (int j = 0; j < (kIs16Bit<P> ? 4 : 2); ++j) {
+          if (k + f + j < n) {
+            if constexpr (kIs16Bit<P>) {
+              reinterpret_cast<uint16_t*>(p)[k + f + j] = pq.bits16(h - 1 + j / 2, j % 2);
+            } else {
+              p[k + f + j] = pq.value(h, j);
+            }
+          }
         }
       }
-      store_block8<Code8::kSigned>(m, kb, end, mc, L.exp_avg_scales + b);
-      store_block8<Code8::kUnsigned>(v, kb, end, vc, L.exp_avg_sq_scales + b);
-      if (AMSGRAD) store_block8<Code8::kUnsigned>(vm, kb, end, vmc, L.max_exp_avg_sq_scales + b);
+      if (with_master) {
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+          if (k + 2 * h + j < n) master[k + 2 * h + j] = mq.value(h, j);
+        }
+      }
+    } else {
+      if (Quarters8<P>::stored_after(h)) pq.template store<true>(p + k, h);
+      if (with_master) mq.template store<true>(master + k, h);
+    }
+  }
+  uint2 oc[3];
+#pragma unroll
+  for (int q = 0; q < kMoments; ++q) {
+    sc[q] = block_scale(warp_largest(largest[q]));
+    const float2 x0 = park.v[q][0][tid], x1 = park.v[q][1][tid], x2 = park.v[q][2][tid],
+                 x3 = park.v[q][3][tid];
+    const float x[kPerLane8] = {x0.x, x0.y, x1.x, x1.y, x2.x, x2.y, x3.x, x3.y};
+    oc[q] =
+        q == 0 ? encode_lane8<Code8::kSigned>(x, sc[q]) : encode_lane8<Code8::kUnsigned>(x, sc[q]);
+  }
+  // The block's state index read again (Note [8-bit CUDA registers]): its codes' and
+  // scales' addresses are not held through the arithmetic.
+  const int64_t sk_out = tile8<P, G>(L, tile, false, kb).state;
+  const int64_t b_out = sk_out / kBlock8;
+  if (lane == 0) {
+    L.exp_avg_scales[b_out] = sc[0];
+    L.exp_avg_sq_scales[b_out] = sc[1];
+    if (AMSGRAD) L.max_exp_avg_sq_scales[b_out] = sc[2];
+  }
+  for (int q = 0; q < kMoments; ++q) {
+    if constexpr (kEdge) {
+#pragma unroll
+      for (int j = 0; j < kPerLane8; ++j) {
+        if (k + j < n) codes8(L, q, sk_out)[k + j] = code_of(oc[q], j);
+      }
+    } else {
+      __stwb(reinterpret_cast<uint2*>(codes8(L, q, sk_out + k)), oc[q]);
     }
   }
 }
 
+// The 8-bit step over a launch's tiles: the blocks the lanes access directly (kEdges
+// false: adamw8_kernel) or the others (kEdges true: adamw8_edge_kernel, staged), each in a
+// kernel of its own so that each has its own 64 registers (Note [8-bit CUDA registers]).
+template <typename P, typename G, bool AMSGRAD, bool kEdges>
+__device__ inline void step_tiles8(const AdamWLaunch& L) {
+  const StepDecision d = decide_step(L.control);
+  if (d.skip) return;  // parameters, moments and step counters stay bit-identical
+  __shared__ Park8 park;
+  // One walk per warp (Note [8-bit CUDA registers]): every lane walks a copy in registers,
+  // lane 0 writes it back, between warp barriers; a tile per thread, which each writes.
+  __shared__ TileWalk<float> walks[kWarps8];
+  __shared__ UnitTile tiles[kThreads8];
+  const int warp = static_cast<int>(threadIdx.x / 32), lane = static_cast<int>(threadIdx.x % 32);
+  TileWalk<float>& w = walks[warp];
+  UnitTile& tile = tiles[threadIdx.x];
+  const bool has_master = kIs16Bit<P> && L.master != nullptr;
+  const double lr = learning_rate(L.hyper);  // a Tensor lr: one load
+  if (lane == 0) w.init(L);
+  __syncwarp();
+  for (;;) {
+    TileWalk<float> now = w;
+    const bool more = now.at_unit(L, tile);
+    __syncwarp();  // every lane has read the warp's walk
+    if (lane == 0) {
+      TileWalk<float> after = now;
+      ++after.u;
+      w = after;
+    }
+    __syncwarp();  // ... and sees the new one
+    if (!more) break;
+    const StepCoefs<float> c = now.coefs(L, d.factor, lr);
+    const int32_t count = tile.count;
+    // 128-bit accesses of elements (16 bytes) and 64-bit accesses of codes: the blocks start
+    // at multiples of kBlock8 from these.
+    bool direct;
+    {
+      const Tile8<P, G> b = tile8<P, G>(L, tile, has_master, 0);
+      direct = is_aligned<16 / sizeof(P)>(b.p) && is_aligned<16 / sizeof(G)>(b.g) &&
+               (!has_master || is_aligned<4>(b.master));
+      for (int q = 0; q < (AMSGRAD ? 3 : 2); ++q) {
+        direct = direct && is_aligned<8>(codes8(L, q, b.state));
+      }
+    }
+    constexpr int32_t kBlock = static_cast<int32_t>(kBlock8);
+    const int32_t whole = direct ? count / kBlock * kBlock : 0;  // the blocks stepped directly
+    if constexpr (kEdges) {
+      // The tile's count read for each block (Note [8-bit CUDA registers]).
+      const volatile UnitTile& vt = tile;
+      for (int32_t kb = whole + warp * kBlock; kb < vt.count; kb += kWarps8 * kBlock) {
+        const Tile8<P, G> b = tile8<P, G>(L, tile, has_master, kb);
+        step_block8<P, G, AMSGRAD, true>(L, c, b.p, b.g, b.master, b.state,
+                                         min(kBlock, vt.count - kb), park, w, tile, kb);
+      }
+    } else {
+      for (int32_t kb = warp * kBlock; kb < whole; kb += kWarps8 * kBlock) {
+        const Tile8<P, G> b = tile8<P, G>(L, tile, has_master, kb);
+        step_block8<P, G, AMSGRAD, false>(L, c, b.p, b.g, b.master, b.state, kBlock, park, w, tile,
+                                          kb);
+      }
+    }
+  }
+}
+
+template <typename P, typename G, bool AMSGRAD>
+__global__ void __launch_bounds__(kThreads8, kBlocksPerSm8) adamw8_kernel(AdamWLaunch L) {
+  step_tiles8<P, G, AMSGRAD, false>(L);
+}
+
+template <typename P, typename G, bool AMSGRAD>
+__global__ void __launch_bounds__(kThreads8, kBlocksPerSm8) adamw8_edge_kernel(AdamWLaunch L) {
+  step_tiles8<P, G, AMSGRAD, true>(L);
+}
+
+template <typename Kernel>
+void launch_tiles8(Kernel kernel, const AdamWLaunch& L, cudaStream_t stream) {
+  const int64_t grid = std::min<int64_t>(L.n_units, max_resident_blocks(kernel, kThreads8));
+  launch_kernel(kernel, static_cast<unsigned>(grid), kThreads8, stream, L);
+  RUDA_CUDA_CHECK_LAUNCH();
+}
+
+// Both 8-bit kernels read the counters and the old scales of their own blocks only: they
+// step disjoint blocks, in either order.
 template <typename P, typename G>
 void launch_8bit(const AdamWLaunch& L, cudaStream_t stream) {
-  const auto kernel = L.amsgrad ? adamw8_kernel<P, G, true> : adamw8_kernel<P, G, false>;
-  const int64_t grid = std::min<int64_t>(L.n_units, max_resident_blocks(kernel, kThreads));
-  launch_kernel(kernel, static_cast<unsigned>(grid), kThreads, stream, L);
-  RUDA_CUDA_CHECK_LAUNCH();
+  if (L.amsgrad) {
+    launch_tiles8(adamw8_kernel<P, G, true>, L, stream);
+    if (L.edges8) launch_tiles8(adamw8_edge_kernel<P, G, true>, L, stream);
+  } else {
+    launch_tiles8(adamw8_kernel<P, G, false>, L, stream);
+    if (L.edges8) launch_tiles8(adamw8_edge_kernel<P, G, false>, L, stream);
+  }
 }
 
 template <typename P, typename G, typename S>

@@ -116,15 +116,20 @@ __device__ inline void store_vec(float* p, const float* in) {
   }
 }
 
-// Launches `kernel` as `grid` blocks of `threads` threads on `stream`: `<<<...>>>` under
-// nvcc; on the emulated device when the kernels are built as host C++ for the tests (Note
-// [CUDA emulation] in csrc/cuda_sim/cuda_sim.h). Every launch of csrc/cuda goes through it.
+// Note [8-bit CUDA lanes]
 // Note [8-bit moments] in csrc/quant8.h, on the GPU: one warp codes one block of kBlock8
-// elements, lane l holding elements l, l + 32, ... (kPerLane8 of them, coalesced), so that
-// the block's scale is a butterfly of shuffles (every lane gets it) and no barrier or
-// shared memory is needed. The maximum is of the magnitudes' bits: any order gives the
-// CPU kernels' scale.
+// elements, lane l holding its elements 8 l .. 8 l + 7 (kPerLane8 of them), so that a
+// lane reads and writes them with wide accesses (two 128-bit accesses of FP32 values, one
+// of 16-bit values, one 64-bit access of codes) and the block's scale is a butterfly of
+// shuffles (every lane gets it): no barrier or shared memory. The maximum is of the
+// magnitudes' bits, which any order of reduction gives alike: the CPU kernels' scale. A
+// block the lanes cannot access so (the last, shorter block of a tensor, or a tensor view
+// that is not 16-byte aligned) goes through shared memory (Stage8 below): the warp copies
+// it there element by element (coalesced), elements past the block's end as zeros (which
+// step to zeros and change no maximum), the lanes step it from there, and the warp copies
+// it back.
 constexpr int kPerLane8 = static_cast<int>(kBlock8) / 32;
+static_assert(kPerLane8 == 8, "a lane holds 8 elements: two 32-bit words of codes");
 
 __device__ inline uint32_t warp_largest(uint32_t bits) {
 #pragma unroll
@@ -135,28 +140,211 @@ __device__ inline uint32_t warp_largest(uint32_t bits) {
   return bits;
 }
 
-// The warp's block at `kb` (elements before `end` only) coded from x[j] = element
-// kb + lane + 32 j: its bytes into codes[k], its scale into *scale (by lane 0).
-template <Code8 kCode>
-__device__ inline void store_block8(const float* x, int64_t kb, int64_t end, uint8_t* codes,
-                                    float* scale) {
-  const int lane = static_cast<int>(threadIdx.x % 32);
-  uint32_t largest = 0;
+// The 32-bit words of 8 consecutive elements of T (4 or 2 bytes): 8 or 4.
+template <typename T>
+constexpr int kWords8 = static_cast<int>(sizeof(T)) * 8 / 4;
+
+// 8 consecutive elements of T as 32-bit words, from global memory with 128-bit loads (the
+// caller checked 16-byte alignment) or from shared memory (kGlobal false).
+template <typename T, bool kGlobal>
+__device__ inline void load_words8(const T* p, uint32_t* w) {
+  const uint4* q = reinterpret_cast<const uint4*>(p);
 #pragma unroll
-  for (int j = 0; j < kPerLane8; ++j) {
-    const uint32_t m = kb + lane + 32 * j < end ? magnitude_bits(x[j]) : 0u;
-    largest = m > largest ? m : largest;
-  }
-  const float s = block_scale(warp_largest(largest));
-  if (lane == 0) *scale = s;
-  const float inverse = block_inverse(s);
-#pragma unroll
-  for (int j = 0; j < kPerLane8; ++j) {
-    const int64_t k = kb + lane + 32 * j;
-    if (k < end) codes[k] = s > 0.0f ? encode8<kCode>(x[j] * inverse) : 0;
+  for (int h = 0; h < kWords8<T> / 4; ++h) {
+    uint4 v;
+    if constexpr (kGlobal) {
+      v = __ldca(q + h);
+    } else {
+      v = q[h];
+    }
+    w[4 * h] = v.x;
+    w[4 * h + 1] = v.y;
+    w[4 * h + 2] = v.z;
+    w[4 * h + 3] = v.w;
   }
 }
 
+template <typename T, bool kGlobal>
+__device__ inline void store_words8(T* p, const uint32_t* w) {
+  uint4* q = reinterpret_cast<uint4*>(p);
+#pragma unroll
+  for (int h = 0; h < kWords8<T> / 4; ++h) {
+    const uint4 v = make_uint4(w[4 * h], w[4 * h + 1], w[4 * h + 2], w[4 * h + 3]);
+    if constexpr (kGlobal) {
+      __stwb(q + h, v);
+    } else {
+      q[h] = v;
+    }
+  }
+}
+
+// Four FP32 values (words) with one 128-bit store, to global memory (16-byte aligned) or
+// to shared memory.
+__device__ inline void store_words8_half(float* p, const uint32_t* w) {
+  __stwb(reinterpret_cast<uint4*>(p), make_uint4(w[0], w[1], w[2], w[3]));
+}
+
+__device__ inline void store_words8_half_shared(float* p, const uint32_t* w) {
+  *reinterpret_cast<uint4*>(p) = make_uint4(w[0], w[1], w[2], w[3]);
+}
+
+// Element j of 8 held as words (load_words8): its bits (16-bit types) and its value.
+template <typename T>
+__device__ inline uint16_t bits16_of(const uint32_t* w, int j) {
+  return static_cast<uint16_t>((j & 1) != 0 ? w[j / 2] >> 16 : w[j / 2] & 0xFFFFu);
+}
+
+template <typename T>
+__device__ inline float value_of(const uint32_t* w, int j) {
+  if constexpr (sizeof(T) == 4) {
+    return __uint_as_float(w[j]);
+  } else if constexpr (std::is_same_v<T, __nv_bfloat16>) {  // the bits in the top half
+    return __uint_as_float((j & 1) != 0 ? w[j / 2] & 0xFFFF0000u : w[j / 2] << 16);
+  } else {
+    return to_float(bits_as<T>(bits16_of<T>(w, j)));
+  }
+}
+
+// A lane's 8 elements of T (Note [8-bit CUDA lanes]) stepped a quarter (2 elements) at a
+// time, held as 32-bit words with 64-bit accesses: FP32 values a quarter per access, loaded
+// before the quarter and stored after it; 16-bit values a half (4) per access, loaded before
+// its even quarter and stored after its odd one. From or to global memory (aligned) or
+// shared memory. Quarter h's element j is element 2 h + j of the lane's 8.
+template <typename T>
+struct Quarters8 {
+  static constexpr bool k16 = sizeof(T) == 2;
+  uint32_t w[2];
+
+  template <bool kGlobal>
+  __device__ inline void load(const T* lane_first, int h) {
+    if (k16 && (h & 1) != 0) return;  // loaded with the even quarter
+    const uint2* q = reinterpret_cast<const uint2*>(lane_first + 2 * h);
+    uint2 v;
+    if constexpr (kGlobal) {
+      v = __ldca(q);
+    } else {
+      v = *q;
+    }
+    w[0] = v.x;
+    w[1] = v.y;
+  }
+
+  // The values load() reads, one element at a time, those at or past `left` as zeros (a
+  // block's last elements, or a view that is not aligned for wide accesses).
+  __device__ inline void load_each(const T* lane_first, int h, int left) {
+    if (k16 && (h & 1) != 0) return;  // loaded with the even quarter
+    const int first = 2 * h, count = k16 ? 4 : 2;
+    uint32_t v[4] = {0u, 0u, 0u, 0u};
+#pragma unroll
+    for (int j = 0; j < count; ++j) {
+      if (first + j < left) {
+        // A block's last elements, or a view not 16-byte aligned:
+        if constexpr (k16) {
+          v[j] = reinterpret_cast<const uint16_t*>(lane_first)[first + j];
+        } else {
+          v[j] = __float_as_uint(lane_first[first + j]);  // static-check: 32-bit (edges)
+        }
+      }
+    }
+    if constexpr (k16) {
+      w[0] = v[0] | (v[1] << 16);
+      w[1] = v[2] | (v[3] << 16);
+    } else {
+      w[0] = v[0];
+      w[1] = v[1];
+    }
+  }
+
+  // Whether quarter h's values are complete in w (to be stored): always for FP32, after the
+  // odd quarter for 16-bit values; `first` is then the first element they hold (2 h or 2 h - 2).
+  __device__ static inline bool stored_after(int h) { return !k16 || (h & 1) != 0; }
+  __device__ static inline int first(int h) { return k16 ? 2 * (h & ~1) : 2 * h; }
+
+  template <bool kGlobal>
+  __device__ inline void store(T* lane_first, int h) const {
+    uint2* q = reinterpret_cast<uint2*>(lane_first + first(h));
+    const uint2 v = make_uint2(w[0], w[1]);
+    if constexpr (kGlobal) {
+      __stwb(q, v);
+    } else {
+      *q = v;
+    }
+  }
+
+  // The position of quarter h's element j in w: word and, for 16-bit values, half.
+  __device__ static inline int slot(int h, int j) { return k16 ? 2 * (h & 1) + j : j; }
+
+  __device__ inline uint16_t bits16(int h, int j) const {
+    const int s = slot(h, j);
+    return static_cast<uint16_t>((s & 1) != 0 ? w[s / 2] >> 16 : w[s / 2] & 0xFFFFu);
+  }
+
+  __device__ inline float value(int h, int j) const {
+    if constexpr (!k16) {
+      return __uint_as_float(w[j]);
+    } else if constexpr (std::is_same_v<T, __nv_bfloat16>) {  // the bits in the top half
+      const int s = slot(h, j);
+      return __uint_as_float((s & 1) != 0 ? w[s / 2] & 0xFFFF0000u : w[s / 2] << 16);
+    } else {
+      return to_float(bits_as<T>(bits16(h, j)));
+    }
+  }
+
+  // Element j of quarter h set: an FP32 value's bits, or a 16-bit value's (low half).
+  __device__ inline void set(int h, int j, uint32_t bits) {
+    if constexpr (!k16) {
+      w[j] = bits;
+    } else {
+      // The other half kept: it may be a value not stepped yet.
+      const int s = slot(h, j);
+      w[s / 2] =
+          (s & 1) != 0 ? (w[s / 2] & 0xFFFFu) | (bits << 16) : (w[s / 2] & 0xFFFF0000u) | bits;
+    }
+  }
+};
+
+// The byte j of a lane's 8 codes (two words).
+__device__ inline uint8_t code_of(uint2 c, int j) {
+  return static_cast<uint8_t>((j < 4 ? c.x : c.y) >> (8 * (j % 4)));
+}
+
+// Copies n elements of src to dst, the warp's lanes in turn (coalesced), and zeros up to
+// kBlock8 where `pad` (a block staged in shared memory, Note [8-bit CUDA lanes]).
+template <typename T>
+__device__ inline void stage_copy(T* dst, const T* src, int n, int lane, bool pad) {
+#pragma unroll 1  // a cold path: kept a loop of one element per lane (it is no hot loop)
+  for (int k = lane; k < (pad ? static_cast<int>(kBlock8) : n); k += 32) {
+    dst[k] = k < n ? src[k] : T{};  // static-check: 32-bit (staged, coalesced)
+  }
+}
+
+// The largest magnitude (its bits) of a lane's values, for the block's scale.
+__device__ inline uint32_t largest_of(const float* x, int n, uint32_t largest) {
+#pragma unroll
+  for (int j = 0; j < n; ++j) {
+    const uint32_t m = magnitude_bits(x[j]);
+    largest = m > largest ? m : largest;
+  }
+  return largest;
+}
+
+// A lane's 8 codes of x[j] = its element 8 lane + j, in a block of scale s (block_scale of
+// the warp's largest magnitude): two words, byte j the code of x[j].
+template <Code8 kCode>
+__device__ inline uint2 encode_lane8(const float* x, float s) {
+  const float inverse = block_inverse(s);
+  const uint32_t keep = mask_if(s > 0.0f);  // a block of zeros, or not finite: codes 0
+  uint32_t w[2] = {0u, 0u};
+#pragma unroll
+  for (int j = 0; j < kPerLane8; ++j) {
+    w[j / 4] |= (static_cast<uint32_t>(encode8<kCode>(x[j] * inverse)) & keep) << (8 * (j % 4));
+  }
+  return make_uint2(w[0], w[1]);
+}
+
+// Launches `kernel` as `grid` blocks of `threads` threads on `stream`: `<<<...>>>` under
+// nvcc; on the emulated device when the kernels are built as host C++ for the tests (Note
+// [CUDA emulation] in csrc/cuda_sim/cuda_sim.h). Every launch of csrc/cuda goes through it.
 template <typename... Params, typename... Args>
 inline void launch_kernel(void (*kernel)(Params...), unsigned grid, unsigned threads,
                           cudaStream_t stream, const Args&... args) {
@@ -171,7 +359,7 @@ inline void launch_kernel(void (*kernel)(Params...), unsigned grid, unsigned thr
 // Enough blocks of `kernel` to fill the current device in one wave: SM count x the blocks
 // that fit on one SM at `threads_per_block`, as the kernel's registers and shared memory
 // allow (cudaOccupancyMaxActiveBlocksPerMultiprocessor; 2048 / threads would assume no
-// register limit, and the update kernels' 47-48 registers fit 5 blocks of 256, not 8).
+// register limit: a kernel of 64 registers fits 4 blocks of 256 threads, not 8).
 // The kernels loop over their work units, so a larger grid would only add a ragged
 // tail. Cached per (kernel, device): the query is not free and the answer never changes.
 template <typename Kernel>

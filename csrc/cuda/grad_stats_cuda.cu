@@ -74,7 +74,7 @@ __global__ void __launch_bounds__(kAnalyzeThreads) analyze_kernel(StatsLaunch L)
     StatsRow acc = stats_zero();
 #pragma unroll 8
     for (int64_t k = lane; k < count; k += kRowLanes) {
-      stats_add(acc, to_float(g[k]) * inv_scale);
+      stats_add(acc, to_float(g[k]) * inv_scale);  // static-check: 32-bit (canonical lane order)
     }
     const StatsRow row = warp_tree(acc);
     if (lane == 0) stats_store(L.rows + kStatsWidth * r, row);
@@ -88,7 +88,8 @@ __global__ void __launch_bounds__(kMergeLanes)
     const int64_t count = min(kMergeFanIn, n_rows - first);
     StatsRow lane = stats_zero();
     for (int64_t k = threadIdx.x; k < count; k += kMergeLanes) {
-      lane = stats_combine(lane, stats_load(rows + kStatsWidth * (first + k)));
+      lane = stats_combine(
+          lane, stats_load(rows + kStatsWidth * (first + k)));  // static-check: 32-bit (rows)
     }
     const StatsRow row = block_tree(lane);
     if (threadIdx.x == 0) stats_store(out + kStatsWidth * o, row);
@@ -96,9 +97,11 @@ __global__ void __launch_bounds__(kMergeLanes)
 }
 
 // A left fold in the order given: tiny (one report per bucket or rank), one thread.
-__global__ void merge_chunks_kernel(const float* reports, int64_t n, float* out) {
+__global__ void __launch_bounds__(1)
+    merge_chunks_kernel(const float* reports, int64_t n, float* out) {
   StatsRow acc = stats_zero();
-  for (int64_t k = 0; k < n; ++k) acc = stats_combine(acc, stats_load(reports + kStatsWidth * k));
+  for (int64_t k = 0; k < n; ++k)
+    acc = stats_combine(acc, stats_load(reports + kStatsWidth * k));  // static-check: 32-bit (rows)
   stats_store(out, acc);
 }
 

@@ -1,6 +1,6 @@
 // CUDA kernels of quantize_8bit and dequantize_8bit (Note [8-bit moments] in
-// csrc/quant8.h): a warp codes a block (store_block8, csrc/cuda/cuda_utils.cuh); decoding
-// is an element per thread.
+// csrc/quant8.h): a warp codes a block (Note [8-bit CUDA lanes] in csrc/cuda/cuda_utils.cuh);
+// decoding is an element per thread.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -15,31 +15,61 @@ namespace {
 constexpr int kQuant8Threads = 256;
 constexpr int kQuant8Warps = kQuant8Threads / 32;
 
-// A warp per block (store_block8 in cuda_utils.cuh).
+// A warp per block, lane l its elements 8 l .. 8 l + 7 (Note [8-bit CUDA lanes] in
+// cuda_utils.cuh): the last, shorter block and the blocks of a view that is not 16-byte
+// aligned go through shared memory.
+// A warp's block staged in shared memory: its values, then its codes.
+struct Quant8Stage {
+  alignas(16) float values[kBlock8];
+  alignas(16) uint8_t codes[kBlock8];
+};
+
 template <Code8 kCode>
-__global__ void quantize8_kernel(const float* x, uint8_t* codes, float* scales, int64_t n) {
+__global__ void __launch_bounds__(kQuant8Threads)
+    quantize8_kernel(const float* x, uint8_t* codes, float* scales, int64_t n) {
+  __shared__ Quant8Stage stages[kQuant8Warps];
   const int64_t warps = int64_t(gridDim.x) * kQuant8Warps;
-  const int lane = static_cast<int>(threadIdx.x % 32);
+  const int warp = static_cast<int>(threadIdx.x / 32), lane = static_cast<int>(threadIdx.x % 32);
   const int64_t blocks = (n + kBlock8 - 1) / kBlock8;
-  for (int64_t b = blockIdx.x * int64_t(kQuant8Warps) + threadIdx.x / 32; b < blocks; b += warps) {
+  const bool direct = is_aligned<4>(x) && is_aligned<8>(codes);
+  for (int64_t b = blockIdx.x * int64_t(kQuant8Warps) + warp; b < blocks; b += warps) {
     const int64_t kb = b * kBlock8;
+    const int count = static_cast<int>(min(kBlock8, n - kb));
+    const bool whole = direct && count == kBlock8;
+    uint32_t words[kPerLane8];
+    if (whole) {
+      load_words8<float, true>(x + kb + 8 * lane, words);
+    } else {
+      stage_copy(stages[warp].values, x + kb, count, lane, true);
+      __syncwarp();
+      load_words8<float, false>(stages[warp].values + 8 * lane, words);
+    }
     float values[kPerLane8];
 #pragma unroll
-    for (int j = 0; j < kPerLane8; ++j) {
-      const int64_t k = kb + lane + 32 * j;
-      values[j] = k < n ? x[k] : 0.0f;
+    for (int j = 0; j < kPerLane8; ++j) values[j] = __uint_as_float(words[j]);
+    const float scale = block_scale(warp_largest(largest_of(values, kPerLane8, 0u)));
+    const uint2 c = encode_lane8<kCode>(values, scale);
+    if (lane == 0) scales[b] = scale;
+    if (whole) {
+      __stwb(reinterpret_cast<uint2*>(codes + kb + 8 * lane), c);
+    } else {  // the block's count codes only
+      *reinterpret_cast<uint2*>(stages[warp].codes + 8 * lane) = c;
+      __syncwarp();
+      stage_copy(codes + kb, stages[warp].codes, count, lane, false);
+      __syncwarp();  // the stages are read before the warp's next block writes them
     }
-    store_block8<kCode>(values, kb, n, codes, scales + b);
   }
 }
 
 template <Code8 kCode>
-__global__ void dequantize8_kernel(const uint8_t* codes, const float* scales, float* out,
-                                   int64_t n) {
+__global__ void __launch_bounds__(kQuant8Threads)
+    dequantize8_kernel(const uint8_t* codes, const float* scales, float* out, int64_t n) {
   const int64_t blocks = (n + kBlock8 - 1) / kBlock8;
   for (int64_t b = blockIdx.x; b < blocks; b += gridDim.x) {
     const int64_t k = b * kBlock8 + threadIdx.x;
-    if (k < n) out[k] = dequantize8<kCode>(codes[k], scales[b]);
+    if (k < n)
+      out[k] =
+          dequantize8_scaled<kCode>(codes[k], scales[b]);  // static-check: 32-bit (a block's scale)
   }
 }
 

@@ -24,9 +24,10 @@
 //     already overwritten) in one of the two orders, and the results differ;
 //   - kConcurrent: all threads run at once with std::barrier, for ThreadSanitizer, which
 //     reports a shared-memory access that no barrier orders (tools/cuda_sim_check.sh).
-//   `__syncthreads()` is a barrier of the block's threads; `__shfl_down_sync` and
-//   `__shfl_xor_sync` a warp exchange (each lane publishes its value, the 32 lanes meet, each reads
-//   lane + delta, they meet again): what the kernels rely on (full-warp masks, warp-uniform calls).
+//   `__syncthreads()` is a barrier of the block's threads, `__syncwarp()` one of the warp's
+//   lanes; `__shfl_down_sync` and `__shfl_xor_sync` a warp exchange (each lane publishes its value,
+//   the 32 lanes meet, each reads lane + delta, they meet again): what the kernels rely on
+//   (full-warp masks, warp-uniform calls).
 // * Arithmetic is the host's IEEE FP32/FP64 without contraction (-ffp-contract=off):
 //   what nvcc's --fmad=false -prec-div=true -prec-sqrt=true gives (Note [No FMA
 //   contraction] in setup.py). FP16/BF16 conversions are integer operations on the bits.
@@ -65,10 +66,18 @@ struct dim3 {
 struct alignas(8) uint2 {
   uint32_t x, y;
 };
+struct alignas(8) float2 {
+  float x, y;
+};
 struct alignas(16) float4 {
   float x, y, z, w;
 };
+struct alignas(16) uint4 {
+  uint32_t x, y, z, w;
+};
 inline uint2 make_uint2(uint32_t x, uint32_t y) { return {x, y}; }
+inline uint4 make_uint4(uint32_t x, uint32_t y, uint32_t z, uint32_t w) { return {x, y, z, w}; }
+inline float2 make_float2(float x, float y) { return {x, y}; }
 inline float4 make_float4(float x, float y, float z, float w) { return {x, y, z, w}; }
 
 // Cache-hinted loads and stores: plain accesses of the whole object.
@@ -345,6 +354,14 @@ inline T shfl_xor(T v, unsigned lane_mask) {
 inline void __syncthreads() {
   ::ruda_sim::ThreadCtx& c = ::ruda_sim::ctx();
   c.block->sync_block(c.tid);
+}
+
+// __syncwarp: the 32 lanes of the running thread's warp meet (full warps: what the kernels
+// use, around the shared-memory stages of Note [8-bit CUDA lanes]).
+inline void __syncwarp(unsigned mask = 0xffffffffu) {
+  if (mask != 0xffffffffu) throw std::logic_error("the emulation syncs full warps only");
+  ::ruda_sim::ThreadCtx& c = ::ruda_sim::ctx();
+  c.block->sync_warp(c.tid);
 }
 
 template <typename T>

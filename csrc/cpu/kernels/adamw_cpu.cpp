@@ -37,6 +37,12 @@ struct VecOps {
   static inline VecD canonical(const VecD& x) {
     return VecD::blendv(x, VecD(ScalarOps::canonical_nan<double>()), x != x);
   }
+  // The division itself: the bits of ScalarOps::div_step's product (Note [Division by a
+  // step constant]), in one vector instruction.
+  template <typename V>
+  static inline V div_step(const V& x, const V& c, double) {
+    return x / c;
+  }
 };
 
 // The math and state type of a parameter dtype (Note [Parameter dtypes]).
