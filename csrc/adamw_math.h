@@ -141,7 +141,20 @@ RUDA_HOST_DEVICE inline float clip_coefficient(float sum_of_squares, float max_n
 struct StepDecision {
   bool skip;
   float factor;
+  // The factor of FP64 math: factor, widened, or with an FP64 clip coefficient
+  // (clip_coef_f64) that coefficient over the scale in FP64.
+  double factor64;
 };
+
+// The factor of math type M: FP32 math reads factor, FP64 math factor64.
+template <typename M>
+RUDA_HOST_DEVICE inline double factor_of(const StepDecision& d) {
+  if constexpr (sizeof(M) == sizeof(double)) {
+    return d.factor64;
+  } else {
+    return static_cast<double>(d.factor);
+  }
+}
 
 RUDA_HOST_DEVICE inline StepDecision decide_step(const StepControl& c) {
   bool skip = c.found_inf != nullptr && c.found_inf[0] != 0.0f;
@@ -160,7 +173,13 @@ RUDA_HOST_DEVICE inline StepDecision decide_step(const StepControl& c) {
   skip = skip || !(scale > 0.0f && scale <= 3.402823466e38f);
   // Negating the clip coefficient negates g exactly (IEEE rounding is sign-symmetric).
   float signed_clip = c.maximize ? -clip : clip;
-  return {skip, signed_clip / scale};
+  const float factor = signed_clip / scale;
+  double factor64 = static_cast<double>(factor);
+  if (c.clip_coef_f64 != nullptr) {
+    const double clip64 = c.clip_coef_f64[0];
+    factor64 = (c.maximize ? -clip64 : clip64) / static_cast<double>(scale);
+  }
+  return {skip, factor, factor64};
 }
 
 // The coefficients of one update at step t, in the math type M (FP32, or FP64 for FP64
@@ -198,7 +217,7 @@ RUDA_HOST_DEVICE inline void set_float_consts(AdamWHyper& h) {
 }
 
 template <typename M = float>
-RUDA_HOST_DEVICE inline StepCoefs<M> coefs_at(const AdamWHyper& h, float factor, double lr, M bc1,
+RUDA_HOST_DEVICE inline StepCoefs<M> coefs_at(const AdamWHyper& h, double factor, double lr, M bc1,
                                               M bc2, double inv_bc1, double inv_bc2) {
   StepCoefs<M> c;
   c.factor = static_cast<M>(factor);
@@ -243,7 +262,7 @@ RUDA_HOST_DEVICE inline StepCoefs<M> coefs_at(const AdamWHyper& h, float factor,
 }
 
 template <typename M = float>
-RUDA_HOST_DEVICE inline StepCoefs<M> make_coefs(const AdamWHyper& h, float factor, int64_t t) {
+RUDA_HOST_DEVICE inline StepCoefs<M> make_coefs(const AdamWHyper& h, double factor, int64_t t) {
   const M bc1 = bias_correction<M>(h.beta1, t), bc2 = bias_correction<M>(h.beta2, t);
   return coefs_at<M>(h, factor, learning_rate(h), bc1, bc2, 1.0 / static_cast<double>(bc1),
                      1.0 / static_cast<double>(bc2));

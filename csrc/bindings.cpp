@@ -312,7 +312,18 @@ AdamWLaunch prepare_launch(const char* op, size_t n, const at::Device& device,
   check_scalar_fp32(op, grad_scale, "grad_scale", 1, device);
   check_scalar_fp32(op, found_inf, "found_inf", 1, device);
   check_scalar_fp32(op, stats, "stats", kStatsWidth, device);
-  check_scalar_fp32(op, clip_coef, "clip_coef", 1, device);
+  // clip_coef: FP32, or FP64 for FP64 parameters (clip_grad_norm_'s coefficient there,
+  // which FP32 would round); any other dtype gets check_scalar_fp32's error.
+  const bool clip64 =
+      clip_coef.has_value() && clip_coef->scalar_type() == at::kDouble && pdtype == at::kDouble;
+  if (clip64) {
+    TORCH_CHECK(clip_coef->numel() == 1 && clip_coef->is_contiguous(), "ruda_torch.", op,
+                ": clip_coef must be a contiguous tensor of 1 element(s) (got shape ",
+                shape_str(*clip_coef), ")");
+    check_same_device(op, *clip_coef, "clip_coef", device);
+  } else {
+    check_scalar_fp32(op, clip_coef, "clip_coef", 1, device);
+  }
 
   AdamWLaunch L;
   L.table = nullptr;  // placed by the backend
@@ -348,8 +359,13 @@ AdamWLaunch prepare_launch(const char* op, size_t n, const at::Device& device,
   L.seed = static_cast<uint64_t>(seed);
   L.hyper = {lr, beta1, beta2, eps, weight_decay, lr_f32, lr_f64, !decoupled};
   set_float_consts(L.hyper);
-  L.control = {ptr_or_null(grad_scale), ptr_or_null(found_inf), ptr_or_null(stats),
-               ptr_or_null(clip_coef),  max_grad_norm,          maximize};
+  L.control = {ptr_or_null(grad_scale),
+               ptr_or_null(found_inf),
+               ptr_or_null(stats),
+               clip64 ? nullptr : ptr_or_null(clip_coef),
+               clip64 ? clip_coef->data_ptr<double>() : nullptr,
+               max_grad_norm,
+               maximize};
   return L;
 }
 

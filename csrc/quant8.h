@@ -27,9 +27,25 @@
 // then too large, never too small, and the step never larger than the exact one.
 // The scale is a maximum, which rounds nothing, so every reduction order gives the same
 // bits (it is taken on the magnitudes' bit patterns, which order as the values do). A
-// block with a NaN or an infinity stores the scale NaN and codes 0: every element of it
-// decodes to NaN. A block whose largest magnitude is below 2^-126 (FP32's smallest normal,
-// where 1 / scale would overflow) is stored as zeros (scale 0).
+// block whose largest magnitude is below 2^-126 (FP32's smallest normal, where 1 / scale
+// would overflow) is stored as zeros (scale 0).
+//
+// Non-finite moments stay in their element, as in the FP32 path. A gradient whose square
+// overflows (1e30, FLT_MAX: finite, so a finite check does not skip the step) makes that
+// element's second moment infinite; the FP32 step then moves the parameter by 0 (m / inf)
+// and keeps every other element as it was. So here: the scale is the largest magnitude of
+// the block's *finite* values, an infinite value is coded kInf8 (its sign in the signed
+// code's sign bit) and a NaN kNaN8, codes no finite value has (a finite q is at most
+// 1 + 2^-23, whose code is 0x70 or 0xF0), and a block holding one stores its scale negated
+// (sign bit set; -0.0 where its finite part is stored as zeros). Decoding tests the scale's
+// sign once per block: clear, each element is its code's value times the scale; set, the
+// special codes decode to +-inf and NaN and the others times |scale|. The common block
+// costs nothing more: its maximum over all magnitude bits is computed anyway, and only a
+// maximum at or above the infinity's bits takes the path that finds the finite one. A
+// checkpoint of the earlier format (a block with a NaN or an infinity stored as scale NaN,
+// sign bit clear, codes 0) decodes as it did: every element of such a block NaN. One large
+// finite value still sets its block's scale, so that small values beside it code to 0 (m)
+// or to the smallest code (v): the quantization of any absmax block format, never a NaN.
 #pragma once
 
 #include <cstdint>
@@ -121,23 +137,62 @@ RUDA_HOST_DEVICE inline float decode8(uint8_t code) {
 // their maximum is the block's scale, in any order of reduction.
 RUDA_HOST_DEVICE inline uint32_t magnitude_bits(float x) { return float_bits(x) & 0x7FFFFFFFu; }
 
-// A block's scale from the maximum of magnitude_bits() over it: NaN (canonical) when a
-// value was not finite, 0 below FP32's smallest normal, else the largest magnitude.
-RUDA_HOST_DEVICE inline float block_scale(uint32_t max_magnitude_bits) {
-  if (max_magnitude_bits >= 0x7F800000u) return float_from_bits(kCanonicalNaNBits);
-  if (max_magnitude_bits < 0x00800000u) return 0.0f;
-  return float_from_bits(max_magnitude_bits);
+// The magnitude bits of the infinity: a maximum at or above it says the block holds a value
+// that is not finite (Note [8-bit moments]).
+constexpr uint32_t kInfBits = 0x7F800000u;
+
+// The bits of |x| where x is finite, else 0: their maximum is the largest finite magnitude.
+RUDA_HOST_DEVICE inline uint32_t finite_magnitude_bits(float x) {
+  const uint32_t m = magnitude_bits(x);
+  return m & mask_if(m < kInfBits);
 }
 
-// What q = x * inverse uses: 1 / scale, or 0 for a block stored as zeros (scale 0 or NaN).
+// A block's scale from the maximum of finite_magnitude_bits() over it and whether it holds a
+// non-finite value: 0 below FP32's smallest normal, else the largest finite magnitude;
+// negated (its sign bit set) when a value was not finite.
+RUDA_HOST_DEVICE inline float block_scale(uint32_t largest_finite_bits, bool special) {
+  const uint32_t s = largest_finite_bits < 0x00800000u ? 0u : largest_finite_bits;
+  return float_from_bits(s | (special ? 0x80000000u : 0u));
+}
+
+// Whether a stored scale marks a block with non-finite values (its sign bit).
+RUDA_HOST_DEVICE inline bool special_block(float scale) { return (float_bits(scale) >> 31) != 0; }
+
+// What q = x * inverse uses: 1 / |scale|, or 0 for a block stored as zeros (scale +-0).
 RUDA_HOST_DEVICE inline float block_inverse(float scale) {
-  return scale > 0.0f ? 1.0f / scale : 0.0f;
+  const float a = float_from_bits(magnitude_bits(scale));
+  return a > 0.0f ? 1.0f / a : 0.0f;
 }
 
-// An element's stored value: the byte's value times the block's scale.
+// The codes of non-finite values (Note [8-bit moments]): no finite value has them.
 template <Code8 kCode>
-RUDA_HOST_DEVICE inline float dequantize8(uint8_t code, float scale) {
-  return decode8<kCode>(code) * scale;
+constexpr uint32_t kInf8 = kCode == Code8::kSigned ? 0x7Eu : 0xFEu;
+template <Code8 kCode>
+constexpr uint32_t kNaN8 = kCode == Code8::kSigned ? 0x7Fu : 0xFFu;
+
+// The code of a value in a block with non-finite values (scale `inverse` as block_inverse):
+// its special code if it is not finite, else encode8's.
+template <Code8 kCode>
+RUDA_HOST_DEVICE inline uint8_t encode8_special(float x, float inverse) {
+  const uint32_t m = magnitude_bits(x);
+  if (m > kInfBits) return static_cast<uint8_t>(kNaN8<kCode>);
+  if (m == kInfBits) {
+    const uint32_t sign = kCode == Code8::kSigned ? (float_bits(x) >> 31) << 7 : 0u;
+    return static_cast<uint8_t>(kInf8<kCode> | sign);
+  }
+  return encode8<kCode>(x * inverse);
+}
+
+// The value of a code in a block with non-finite values (`scale` negated): +-inf and NaN for
+// the special codes, else decode8's value times |scale|.
+template <Code8 kCode>
+RUDA_HOST_DEVICE inline float dequantize8_special(uint32_t code, float scale) {
+  const uint32_t magnitude = kCode == Code8::kSigned ? code & 0x7Fu : code;
+  if (magnitude == kNaN8<kCode>) return float_from_bits(kCanonicalNaNBits);
+  if (magnitude == kInf8<kCode>) {
+    return float_from_bits(kInfBits | ((code & 0x80u & mask_if(kCode == Code8::kSigned)) << 24));
+  }
+  return decode8<kCode>(static_cast<uint8_t>(code)) * float_from_bits(magnitude_bits(scale));
 }
 
 // decode8 through the FP32 format itself (the CUDA kernels): a code's exponent and mantissa
@@ -164,10 +219,11 @@ RUDA_HOST_DEVICE inline float dequantize8_scaled(uint32_t code, float scale) {
 }
 
 #if !defined(__CUDA_ARCH__)
-// The CPU kernels' decoding of n values (n <= kBlock8) of one block into out, with
-// dequantize8's bits: with AVX2 or AVX-512 by decode8's arithmetic, which the compiler
-// vectorizes (1.4x the speed of a table read through vector gathers); below them from a
-// table of decode8's 256 values (scalar loads beat the arithmetic on 4-wide vectors).
+// The CPU kernels' decoding of n values (n <= kBlock8) of one block into out, each
+// decode8's value times the scale (dequantize8_special's in a block with non-finite
+// values): with AVX2 or AVX-512 by decode8's arithmetic, which the compiler vectorizes
+// (1.4x the speed of a table read through vector gathers); below them from a table of
+// decode8's 256 values (scalar loads beat the arithmetic on 4-wide vectors).
 template <Code8 kCode>
 inline const float* decode_table() {
   static const auto table = [] {
@@ -182,6 +238,10 @@ inline const float* decode_table() {
 
 template <Code8 kCode>
 inline void decode_block_cpu(const uint8_t* codes, float scale, int64_t n, float* out) {
+  if (special_block(scale)) {  // a block with non-finite values (Note [8-bit moments])
+    for (int64_t j = 0; j < n; ++j) out[j] = dequantize8_special<kCode>(codes[j], scale);
+    return;
+  }
 #if defined(__AVX2__)
   for (int64_t j = 0; j < n; ++j) out[j] = decode8<kCode>(codes[j]) * scale;
 #else
@@ -200,13 +260,22 @@ RUDA_HOST_DEVICE inline void encode_block(const float* x, int64_t n, uint8_t* co
     const uint32_t m = magnitude_bits(x[j]);
     largest = m > largest ? m : largest;
   }
-  const float s = block_scale(largest);
-  *scale = s;
-  const float inverse = block_inverse(s);
-  const uint32_t keep = mask_if(s > 0.0f);  // a block of zeros, or not finite: codes 0
-  for (int64_t j = 0; j < n; ++j) {
-    codes[j] = static_cast<uint8_t>(encode8<kCode>(x[j] * inverse) & keep);
+  if (largest >= kInfBits) {  // non-finite values (Note [8-bit moments]): the other path
+    uint32_t finite = 0;
+    for (int64_t j = 0; j < n; ++j) {
+      const uint32_t m = finite_magnitude_bits(x[j]);
+      finite = m > finite ? m : finite;
+    }
+    const float s = block_scale(finite, true);
+    *scale = s;
+    const float inverse = block_inverse(s);
+    for (int64_t j = 0; j < n; ++j) codes[j] = encode8_special<kCode>(x[j], inverse);
+    return;
   }
+  const float s = block_scale(largest, false);
+  *scale = s;
+  const float inverse = block_inverse(s);  // 0 for a block stored as zeros: codes 0
+  for (int64_t j = 0; j < n; ++j) codes[j] = encode8<kCode>(x[j] * inverse);
 }
 
 }  // namespace ruda

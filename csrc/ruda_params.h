@@ -64,7 +64,10 @@ struct StepControl {
   const float* found_inf;   // nonzero: skip the step
   const float* stats;       // 3-float report [sum_sq, max_abs, nonfinite] of unscaled grads
   const float* clip_coef;   // explicit clip coefficient (tensor-op norm path)
-  double max_grad_norm;     // > 0: clip from `stats`
+  // The same in FP64, for FP64 parameters (clip_grad_norm_'s coefficient is FP64 there);
+  // at most one of the two is set.
+  const double* clip_coef_f64;
+  double max_grad_norm;  // > 0: clip from `stats`
   bool maximize;
 };
 

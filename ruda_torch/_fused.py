@@ -374,6 +374,13 @@ class Bucket:
             current, replaced, unwritten = _C.flat_check(self.handle(), self.clean)
         return replaced, unwritten
 
+    def check_replaced(self, indices: list[int], gi=None) -> None:
+        """The parameters whose views would be put back can take them (reads only)."""
+        group = "" if gi is None else f"param group {gi}: "
+        for i in indices:
+            p = self.params[i]
+            check_flat_grad_dtype(p, f"{group}the parameter of shape {tuple(p.shape)}")
+
     def adopt_grads(self, indices: list[int]) -> None:
         """Make ``p.grad`` the view again for each listed parameter, keeping its value: a
         replaced gradient is copied into the view, a missing one leaves the view zero and
@@ -397,10 +404,10 @@ class Bucket:
                 self.clean[i] = -1
             p.grad = view
 
-    def zero_grads(self, set_to_none: bool) -> None:
+    def zero_grads(self, set_to_none: bool, replaced: list[int]) -> None:
         """optimizer.zero_grad() for this bucket: one fill of the flat buffer, the views
-        kept (reinstalled where something replaced them)."""
-        replaced, _ = self.check_grads()
+        kept (reinstalled where something replaced them: ``replaced``, from check_grads()
+        and check_replaced() of every bucket before any is written)."""
         had_none = [i for i in replaced if self.params[i].grad is None]
         self.grad_flat.zero_()
         for i in replaced:
@@ -772,7 +779,15 @@ def check_flat_param(p: torch.Tensor, where: str) -> None:
             f"flat_grads=True takes torch.Tensor and nn.Parameter parameters; {where} is a "
             f"{type(p).__name__}. Use flat_grads=False for its group"
         )
-    grad_dtype = getattr(p, "grad_dtype", p.dtype)  # torch 2.13+: a gradient dtype of its own
+    check_flat_grad_dtype(p, where)
+
+
+def check_flat_grad_dtype(p: torch.Tensor, where: str) -> None:
+    """A flat view holds a gradient in the parameter's dtype: a ``grad_dtype`` of its own
+    (torch 2.13+) would refuse it. Checked at construction and, since torch lets a
+    parameter whose gradient was cleared take another grad_dtype, before a step or
+    zero_grad() puts a view back (Bucket.replaced_grads), before anything is written."""
+    grad_dtype = getattr(p, "grad_dtype", p.dtype)
     if grad_dtype is not None and grad_dtype != p.dtype:
         raise ValueError(
             f"flat_grads=True: {where} ({p.dtype}) has grad_dtype={grad_dtype}, but the flat "

@@ -138,8 +138,9 @@ def tensor_norm_clip(max_grad_norm, fused_calls, generic, buckets, grad_scale, p
         first = grads[0].device
     else:
         first = buckets[0].device if buckets else torch.device("cpu")
-    # FP64 (as clip_grad_norm_) where any gradient is FP64: its coefficient is not rounded
-    # to FP32 for FP64 parameters (the fused kernel reads it as FP32, as its report).
+    # FP64 (as clip_grad_norm_) where any gradient is FP64: FP64 parameters are clipped by
+    # that coefficient on either path (the fused kernel of an FP64 bucket reads it in FP64),
+    # the others by its FP32 rounding, as clip_grad_norm_'s in-place product rounds it.
     acc = torch.float64 if any(g.dtype in _DOUBLE for g in grads) else torch.float32
     squares = [torch.zeros((), dtype=acc, device=first)]
     for scope, gs in by_scope.items():

@@ -70,7 +70,8 @@ def adamw_scaled_(
     bits from ``seed``, the step counter and the element's state offset). A Tensor lr
     (one floating element, as ``lr=`` or ``lr_tensor=``) replaces the float: on the CPU
     it is read at the call, on the parameters' device by the kernel. ``grad_scale``/``found_inf``
-    (1 element), ``stats`` (the 3-float report) and ``clip_coef`` (1 element) live on
+    (1 element), ``stats`` (the 3-float report) and ``clip_coef`` (1 element; FP32, or FP64
+    for FP64 parameters, clip_grad_norm_'s precision there) live on
     the parameters' device and are read by the kernel: no host sync. The step is skipped
     (nothing written, counters unchanged) when ``found_inf != 0`` or ``stats[2] != 0``.
     The step is also skipped when ``grad_scale`` is not a positive finite number

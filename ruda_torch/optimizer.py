@@ -227,11 +227,12 @@ class AdamW(Optimizer):
         process_group=None,
         partition_group=None,
     ):
+        keywords = dict(lr=lr, betas=betas, foreach=foreach, capturable=capturable,
+                        differentiable=differentiable, fused=fused, fused_step=fused_step)  # fmt: skip
+        check_tensor_hypers_with_foreach(keywords, None, "construction")
         check_hyperparameters(lr, betas, eps, weight_decay)
-        fused_step = _torch_keywords(
-            dict(foreach=foreach, capturable=capturable, differentiable=differentiable,
-                 fused=fused, fused_step=fused_step), None
-        )  # fmt: skip
+        fused_step = _torch_keywords(keywords, None)
+        check_execution_keywords({**keywords, "fused_step": fused_step}, None, "construction")
         if hierarchical_stats and not fused_step:
             raise ValueError(
                 "hierarchical_stats=True requires fused_step=True (the statistics feed the "
@@ -280,6 +281,24 @@ class AdamW(Optimizer):
     # torch's Optimizer pickles only defaults, state and param_groups; the options that
     # change the math go with them. The plan is derived again after unpickling.
     def __getstate__(self):
+        for name in ("process_group", "partition_group"):
+            group = self.__dict__.get(name)
+            if group is not None:
+                try:
+                    ranks = f" (ranks {list(ranks_of(group))})"
+                except ValueError:  # destroyed: the refusal stands without its ranks
+                    ranks = ""
+                raise TypeError(
+                    f"{type(self).__name__} with {name}={ranks} cannot "
+                    "be pickled (pickle, torch.save(optimizer)): a ProcessGroup is this "
+                    "process's handle to its communicators and has no pickled form. Save "
+                    "optimizer.state_dict() instead (it records the groups as rank tuples) and "
+                    f"load it into an optimizer made with {name}= of the new run; "
+                    "copy.deepcopy(optimizer) works (the copy shares the group)"
+                )
+        return self._copied_state()
+
+    def _copied_state(self) -> dict:
         state = dict(super().__getstate__())
         state.update({k: self.__dict__.get(k, v) for k, v in _OPTIONS.items()})
         return state
@@ -311,7 +330,7 @@ class AdamW(Optimizer):
                 memo.setdefault(id(group), group)
         new = type(self).__new__(type(self))
         memo[id(self)] = new
-        new.__setstate__(copy.deepcopy(self.__getstate__(), memo))
+        new.__setstate__(copy.deepcopy(self._copied_state(), memo))
         return new
 
     def _decoupled_default(self) -> bool:
@@ -327,10 +346,13 @@ class AdamW(Optimizer):
                 len(self.param_groups),
                 default=self.defaults.get("fused_step", False),
             )  # fmt: skip
+            if "fused" not in group and self.defaults.get("fused") is not None:
+                group["fused"] = group["fused_step"]  # one setting: torch's name follows ours
             param_group = group
         merged = {**self.defaults, **{k: v for k, v in param_group.items() if k != "params"}}
-        check_hyperparameters(merged["lr"], merged["betas"], merged["eps"], merged["weight_decay"])
         gi = len(self.param_groups)
+        check_torch_keywords(merged, gi, "add")
+        check_hyperparameters(merged["lr"], merged["betas"], merged["eps"], merged["weight_decay"])
         _fused.check_group_options(merged, gi)
         if self.hierarchical_stats and not merged["fused_step"]:
             raise ValueError(
@@ -471,9 +493,15 @@ class AdamW(Optimizer):
                 )
             id_to_param.update(zip(saved["params"], current["params"], strict=True))
             g = dict(saved)
-            g.setdefault("fused_step", current["fused_step"])
+            if "fused_step" not in g:
+                # torch's checkpoint: the path stays this optimizer's, and torch's `fused`
+                # (which names the path) follows it where the two would disagree.
+                g["fused_step"] = current["fused_step"]
+                if g.get("fused") is not None and bool(g["fused"]) != g["fused_step"]:
+                    g["fused"] = current.get("fused")
             for k in _FUSED_KEYS:
                 g.setdefault(k, current[k])
+            check_torch_keywords(g, gi, "load")
             check_hyperparameters(g["lr"], g["betas"], g["eps"], g["weight_decay"])
             _fused.check_group_options(g, gi)
             if self.hierarchical_stats and not g["fused_step"]:
@@ -546,6 +574,7 @@ class AdamW(Optimizer):
         if self.hierarchical_stats or self.max_grad_norm is not None:
             self._check_whole_groups()
         for gi, group in enumerate(self.param_groups):
+            check_torch_keywords(group, gi, "step")
             check_hyperparameters(
                 group["lr"], group["betas"], group["eps"], group["weight_decay"], read_values=False
             )
@@ -560,6 +589,7 @@ class AdamW(Optimizer):
             for b in buckets:
                 if b.flat:
                     replaced, unwritten = b.check_grads()
+                    b.check_replaced(replaced, gi)  # their views go back after the step
                     if replaced:  # this step takes the gradients where they are
                         readopt.append((b, replaced))
                     else:
@@ -665,11 +695,15 @@ class AdamW(Optimizer):
                 self.max_grad_norm, calls, (norm_grads, norm_scopes), plan.buckets,
                 grad_scale, self.partition_group,
             )  # fmt: skip
-        fused_clip = clip_coef  # the kernels read an FP32 coefficient
+        # The kernels read an FP32 coefficient, and FP64 buckets clip_grad_norm_'s FP64 one
+        # (tensor_norm_clip makes it FP64 where a gradient is FP64): rounded to FP32 it
+        # would clip FP64 gradients by another number than torch.
+        clip32 = clip_coef
         if clip_coef is not None and clip_coef.dtype != torch.float32:
-            fused_clip = clip_coef.to(torch.float32)
+            clip32 = clip_coef.to(torch.float32)
         for c in calls:
-            self._run(ops.adamw_scaled_, c, grad_scale, found_inf, stats, fused_clip, per_device)
+            clip = clip_coef if c.bucket.dtype == torch.float64 else clip32
+            self._run(ops.adamw_scaled_, c, grad_scale, found_inf, stats, clip, per_device)
         for group, params, grads in generic:
             for p, grad in zip(params, grads, strict=True):
                 dev = p.device
@@ -704,9 +738,12 @@ class AdamW(Optimizer):
             # The state or the groups are not valid for a step (the step says why): reset
             # these gradients as torch would, and let the step raise.
             buckets = []
+        pending = [(b, b.check_grads()[0]) for b in buckets]
+        for b, replaced in pending:  # every refusal before the first write
+            b.check_replaced(replaced)
         with torch.no_grad():
-            for b in buckets:
-                b.zero_grads(set_to_none)
+            for b, replaced in pending:
+                b.zero_grads(set_to_none, replaced)
                 flat.update(map(id, b.params))
         foreach = self.defaults.get("foreach", False) or self.defaults.get("fused", False)
         if not hasattr(self, "_zero_grad_profile_name"):
@@ -948,14 +985,8 @@ def _torch_keywords(kw: dict, gi, default: bool = False) -> bool:
     """The meaning of torch.optim's execution keywords here (docs/usage.md, "torch's
     keywords"); returns fused_step. ``fused=True`` is ``fused_step=True`` (torch's name for
     the fused path); ``foreach`` and ``capturable`` are accepted and kept in the group, as
-    torch keeps them; ``differentiable=True`` is refused."""
+    torch keeps them. Their conflicts are check_torch_keywords'."""
     where = "" if gi is None else f" (param group {gi})"
-    if kw.get("differentiable"):
-        raise ValueError(
-            f"differentiable=True is not supported{where}: ruda_torch's step updates the "
-            "parameters in place without autograd (as torch's fused path, which refuses it "
-            "too); use torch.optim for a differentiable optimizer step"
-        )
     fused, fused_step = kw.get("fused"), kw.get("fused_step")
     if fused is not None and fused_step is not None and bool(fused) != bool(fused_step):
         raise ValueError(
@@ -965,6 +996,74 @@ def _torch_keywords(kw: dict, gi, default: bool = False) -> bool:
     if fused_step is not None:
         return bool(fused_step)
     return bool(fused) if fused is not None else bool(default)
+
+
+def check_torch_keywords(group: dict, gi, when: str) -> None:
+    """What torch.optim.Adam(W) refuses of its execution keywords, refused wherever a group
+    is made (``when`` "construction"), added ("add"), loaded ("load") or stepped ("step"),
+    before anything is written (docs/usage.md, "torch's keywords"). torch checks them in
+    its constructor (ValueError for a Tensor lr or betas, RuntimeError for ``fused``) and
+    finds the rest only at its step (RuntimeError): so here a construction raises torch's
+    constructor error and every later place the RuntimeError of torch's step, with torch's
+    words. ``differentiable=True`` is refused on either path (the generic one too: the step
+    updates in place without autograd), and ``fused`` must agree with ``fused_step``."""
+    check_tensor_hypers_with_foreach(group, gi, when)
+    check_execution_keywords(group, gi, when)
+
+
+def check_tensor_hypers_with_foreach(group: dict, gi, when: str) -> None:
+    """torch's first checks: a Tensor lr or Tensor betas with foreach=True needs
+    capturable=True (before the values are checked, as torch orders them)."""
+    where = "" if gi is None else f" (param group {gi})"
+    foreach, capturable = group.get("foreach"), group.get("capturable")
+    late = RuntimeError if when != "construction" else ValueError
+    if foreach and not capturable:
+        if isinstance(group.get("lr"), torch.Tensor):
+            raise late(
+                f"lr as a Tensor is not supported for capturable=False and foreach=True{where} "
+                "(torch refuses it too): pass foreach=None, or capturable=True, or a float lr"
+            )
+        betas = group.get("betas")
+        if isinstance(betas, (tuple, list)) and len(betas) == 2:
+            for i, beta in enumerate(betas):
+                if isinstance(beta, torch.Tensor) and isinstance(betas[1 - i], torch.Tensor):
+                    raise ValueError(
+                        f"betas[{i}] as a Tensor is not supported for capturable=False and "
+                        f"foreach=True{where} (and ruda_torch takes float betas only)"
+                    )
+
+
+def check_execution_keywords(group: dict, gi, when: str) -> None:
+    """differentiable, fused with foreach, fused against fused_step (torch checks the first
+    two after the values)."""
+    where = "" if gi is None else f" (param group {gi})"
+    foreach = group.get("foreach")
+    fused, fused_step = group.get("fused"), group.get("fused_step")
+    on_fused_path = bool(fused) or bool(fused_step)
+    if group.get("differentiable"):
+        if on_fused_path:
+            raise RuntimeError(
+                f"`fused` does not support `differentiable`{where}: differentiable=True is not "
+                "supported by the fused step (nor by torch's); use torch.optim for a "
+                "differentiable optimizer step"
+            )
+        raise ValueError(
+            f"differentiable=True is not supported{where}: ruda_torch's step updates the "
+            "parameters in place without autograd (as torch's fused path, which refuses it "
+            "too); use torch.optim for a differentiable optimizer step"
+        )
+    if fused and foreach:
+        raise RuntimeError(
+            f"`fused` and `foreach` cannot be `True` together{where} (torch's rule): fused=True "
+            "is the fused step (fused_step=True); set foreach=None"
+        )
+    if fused is not None and fused_step is not None and bool(fused) != bool(fused_step):
+        changed = " (one of them was changed since)" if when == "step" else ""
+        raise ValueError(
+            f"fused={fused} and fused_step={fused_step} disagree{where}{changed}: they are one "
+            "setting (fused is torch's name for it); set both to the same value to choose "
+            "the path"
+        )
 
 
 def _in_layout(target: torch.Tensor, g: torch.Tensor) -> torch.Tensor:

@@ -277,8 +277,10 @@ def _code_table(code: str) -> Tensor:
 
 def quantize_8bit_reference(x: Tensor, code: str) -> tuple[Tensor, Tensor]:
     """``ruda_torch.ops.quantize_8bit`` by definition: per block of 256 elements the scale
-    (largest magnitude; NaN if the block has a non-finite value, 0 below 2^-126), q = x *
-    fp32(1 / scale) rounded to FP32, and the nearest code of q."""
+    (largest finite magnitude, 0 below 2^-126; negated when the block holds a non-finite
+    value), q = x * fp32(1 / |scale|) rounded to FP32 and the nearest code of q; a
+    non-finite value gets its special code (signed: 0x7E with its sign for +-inf, 0x7F for
+    NaN; unsigned: 0xFE for inf, 0xFF for NaN)."""
     if code not in ("signed", "unsigned"):
         raise ValueError(f"code must be 'signed' or 'unsigned', got {code!r}")
     x32 = x.detach().to("cpu", torch.float32).contiguous().flatten()
@@ -287,31 +289,51 @@ def quantize_8bit_reference(x: Tensor, code: str) -> tuple[Tensor, Tensor]:
     padded = torch.zeros(blocks * _BLOCK_8BIT, dtype=torch.float32)
     padded[:n] = x32
     rows = padded.view(blocks, _BLOCK_8BIT)
-    finite = torch.isfinite(rows).all(dim=1)
-    largest = torch.where(torch.isfinite(rows), rows.abs(), 0.0).amax(dim=1)
-    tiny = largest < 2.0**-126
-    scales = torch.where(finite, torch.where(tiny, 0.0, largest), float("nan"))
-    stored = finite & ~tiny
-    inverse = torch.where(stored, 1.0 / torch.where(stored, scales, 1.0), 0.0)  # FP32
-    q = torch.where(stored[:, None], rows * inverse[:, None], 0.0)  # FP32 products
+    finite_values = torch.isfinite(rows)
+    special = ~finite_values.all(dim=1)
+    largest = torch.where(finite_values, rows.abs(), 0.0).amax(dim=1)
+    stored = largest >= 2.0**-126
+    magnitude_scale = torch.where(stored, largest, 0.0)
+    scales = torch.where(special, -magnitude_scale, magnitude_scale)  # -0.0 where not stored
+    inverse = torch.where(stored, 1.0 / torch.where(stored, largest, 1.0), 0.0)  # FP32
+    q = torch.where(finite_values, rows * inverse[:, None], 0.0)  # FP32 products
     a = q.abs().double()
     table = _code_table(code)
     magnitude = _nearest_code(a.flatten(), table).view_as(a)
     if code == "signed":
         codes = torch.where(magnitude == 0, 0, magnitude | ((q < 0).long() << 7))
+        inf_codes = torch.where(rows < 0, 0xFE, 0x7E)
+        nan_code = 0x7F
     else:
         codes = torch.where((magnitude == 0) & (a > 0), 1, magnitude)
+        inf_codes = torch.full_like(codes, 0xFE)
+        nan_code = 0xFF
+    codes = torch.where(torch.isinf(rows), inf_codes, codes)
+    codes = torch.where(torch.isnan(rows), nan_code, codes)
     return codes.flatten()[:n].to(torch.uint8).view(x.shape), scales
 
 
 def dequantize_8bit_reference(codes: Tensor, scales: Tensor, code: str) -> Tensor:
     """FP32 values of (codes, scales): each code's exact value times its block's scale,
-    rounded once to FP32."""
+    rounded once to FP32; in a block whose scale has its sign bit set, the special codes
+    are +-inf and NaN and the others are times |scale| (a NaN scale with the sign bit
+    clear, the earlier format's block with a non-finite value, decodes as all NaN)."""
     flat = codes.detach().cpu().flatten().long()
     table = _code_table(code)
     if code == "signed":
-        value = table[flat & 0x7F] * torch.where(flat >= 128, -1.0, 1.0).double()
+        magnitude = flat & 0x7F
+        sign = torch.where(flat >= 128, -1.0, 1.0).double()
+        value = table[magnitude] * sign
+        inf_code, nan_code = 0x7E, 0x7F
     else:
+        magnitude = flat
+        sign = torch.ones_like(flat, dtype=torch.float64)
         value = table[flat]
+        inf_code, nan_code = 0xFE, 0xFF
     block = torch.arange(flat.numel()) // _BLOCK_8BIT
-    return (value * scales.detach().cpu().double()[block]).float().view(codes.shape)
+    block_scales = scales.detach().cpu().double()[block]
+    special = torch.signbit(block_scales)
+    out = torch.where(special, value * block_scales.abs(), value * block_scales)
+    out = torch.where(special & (magnitude == inf_code), sign * math.inf, out)
+    out = torch.where(special & (magnitude == nan_code), math.nan, out)
+    return out.float().view(codes.shape)

@@ -266,7 +266,10 @@ def test_keyword_meanings():
     opt = ruda_torch.AdamW([p], foreach=True, capturable=True)
     assert opt.param_groups[0]["foreach"] and opt.param_groups[0]["capturable"]
     q = torch.nn.Parameter(torch.randn(3))
-    opt.add_param_group({"params": [q], "fused": True})
+    with pytest.raises(RuntimeError, match="`fused` and `foreach` cannot be `True` together"):
+        opt.add_param_group({"params": [q], "fused": True})  # foreach=True from the defaults
+    assert len(opt.param_groups) == 1
+    opt.add_param_group({"params": [q], "fused": True, "foreach": None})
     assert opt.param_groups[1]["fused_step"]
     # A group from torch round-trips its keywords.
     t = torch.optim.AdamW([torch.nn.Parameter(torch.randn(3))], foreach=False, capturable=True)
@@ -276,3 +279,161 @@ def test_keyword_meanings():
     t.load_state_dict(r.state_dict())
     assert t.param_groups[0]["capturable"]
     assert ruda_torch.Adam([p]).defaults["weight_decay"] == 0.0
+
+
+# torch's own error inputs for its optimizers (optim_db's optim_error_inputs_func) and the two
+# it gives only on CUDA devices, with CPU tensors: what torch refuses at construction.
+common_optimizers = pytest.importorskip("torch.testing._internal.common_optimizers")
+_FUSED_ERRORS = [
+    ({"foreach": True, "fused": True}, RuntimeError, "`fused` and `foreach` cannot be `True` together"),
+    ({"fused": True, "differentiable": True}, RuntimeError, "`fused` does not support `differentiable`"),
+]  # fmt: skip
+
+
+def _torch_error_inputs(theirs):
+    info = next(o for o in common_optimizers.optim_db if o.optim_cls is theirs)
+    out = []
+    for ei in info.optim_error_inputs_func(device="cpu", dtype=torch.float32):
+        oi = ei.optimizer_error_input
+        out.append((oi.params, oi.kwargs, ei.error_type, ei.error_regex, ei.error_on))
+    construction = common_optimizers.OptimizerErrorEnum.CONSTRUCTION_ERROR
+    out += [(None, kw, kind, regex, construction) for kw, kind, regex in _FUSED_ERRORS]
+    return out
+
+
+@pytest.mark.parametrize(
+    "ours, theirs",
+    [(ruda_torch.AdamW, torch.optim.AdamW), (ruda_torch.Adam, torch.optim.Adam)],
+    ids=["AdamW", "Adam"],
+)
+def test_torch_error_inputs_raise_torchs_errors(ours, theirs):
+    """Every error input torch's optimizer test suite gives Adam and AdamW raises the same
+    kind of error with torch's words, here as in torch (both are run)."""
+    cases = _torch_error_inputs(theirs)
+    assert len(cases) >= 10
+    for params, kwargs, kind, regex, when in cases:
+        assert when == common_optimizers.OptimizerErrorEnum.CONSTRUCTION_ERROR
+        for cls in (theirs, ours):
+            ps = params if params is not None else [torch.nn.Parameter(torch.randn(2))]
+            kw = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
+            if issubclass(kind, Warning):
+                with pytest.warns(kind, match=regex):
+                    cls(ps, **kw)
+            else:
+                with pytest.raises(kind, match=regex):
+                    cls(ps, **kw)
+
+
+# The conflicts of torch's keywords as group values, and the error each place raises: torch
+# refuses them in its constructor or at its step; here also where a group is added or loaded.
+_CONFLICTS = {
+    "fused+foreach": ({"fused": True, "fused_step": True, "foreach": True}, RuntimeError,
+                      "`fused` and `foreach` cannot be `True` together"),
+    "fused+differentiable": ({"fused": True, "fused_step": True, "differentiable": True},
+                             RuntimeError, "`fused` does not support `differentiable`"),
+    "fused_step+differentiable": ({"fused_step": True, "differentiable": True}, RuntimeError,
+                                  "`fused` does not support `differentiable`"),
+    "differentiable": ({"differentiable": True}, ValueError, "differentiable=True is not supported"),
+    "tensor-lr+foreach": ({"lr": torch.tensor(1e-3), "foreach": True}, RuntimeError,
+                          "lr as a Tensor is not supported for capturable=False and foreach=True"),
+    "fused-disagrees": ({"fused": True, "fused_step": False}, ValueError,
+                        "fused=True and fused_step=False disagree"),
+}  # fmt: skip
+
+
+def _stepped(cls, fused_step):
+    gen = torch.Generator().manual_seed(4)
+    ps = [torch.nn.Parameter(torch.randn(5, 3, generator=gen)) for _ in range(2)]
+    opt = cls([{"params": [ps[0]]}, {"params": [ps[1]]}], lr=1e-2, fused_step=fused_step)
+    for p in ps:
+        p.grad = torch.randn(p.shape, generator=gen)
+    opt.step()
+    return opt, ps
+
+
+def _snapshot(opt, ps):
+    return ([p.detach().clone() for p in ps], copy.deepcopy(opt.state_dict()))
+
+
+def _unchanged(opt, ps, snap):
+    before_params, before = snap
+    assert all(torch.equal(p, q) for p, q in zip(ps, before_params, strict=True))
+    after = opt.state_dict()
+    assert len(after["param_groups"]) == len(before["param_groups"])
+    for g, h in zip(after["param_groups"], before["param_groups"], strict=True):
+        assert set(g) == set(h)
+        for k in g:
+            assert g[k] == h[k] if not isinstance(g[k], torch.Tensor) else torch.equal(g[k], h[k])
+    for key, st in before["state"].items():
+        for k, v in st.items():
+            assert torch.equal(after["state"][key][k], v), k
+
+
+@pytest.mark.parametrize("cls", [ruda_torch.AdamW, ruda_torch.Adam], ids=["AdamW", "Adam"])
+@pytest.mark.parametrize("conflict", list(_CONFLICTS), ids=str)
+@pytest.mark.parametrize("where", ["construction", "add_param_group", "load", "between-steps"])
+def test_keyword_conflicts_are_refused_everywhere_before_any_write(cls, conflict, where):
+    """Each conflict of torch's keywords, wherever a group gets it: refused with torch's kind
+    of error (its constructor's at construction, its step's elsewhere) before anything is
+    written; the optimizer steps on once the group is put right."""
+    values, kind, regex = _CONFLICTS[conflict]
+    fused_step = bool(values.get("fused_step", values.get("fused", False)))
+    if where == "construction":
+        if conflict == "tensor-lr+foreach":
+            kind = ValueError  # torch's constructor raises ValueError for this one
+        with pytest.raises(kind, match=regex):
+            cls([torch.nn.Parameter(torch.randn(3))], **values)
+        return
+    opt, ps = _stepped(cls, fused_step)
+    snap = _snapshot(opt, ps)
+    if where == "add_param_group":
+        extra = torch.nn.Parameter(torch.randn(4))
+        with pytest.raises(kind, match=regex):
+            opt.add_param_group({"params": [extra], **values})
+        _unchanged(opt, ps, snap)
+        return
+    if where == "load":
+        sd = copy.deepcopy(opt.state_dict())
+        sd["param_groups"][1].update(values)
+        with pytest.raises(kind, match=regex):
+            opt.load_state_dict(sd)
+        _unchanged(opt, ps, snap)
+        return
+    saved = {k: opt.param_groups[1][k] for k in values}
+    opt.param_groups[1].update(values)
+    for p in ps:
+        p.grad = torch.randn_like(p)
+    with pytest.raises(kind, match=regex):
+        opt.step()
+    opt.param_groups[1].update(saved)
+    _unchanged(opt, ps, snap)
+    opt.step()  # put right, it steps
+    assert not torch.equal(ps[0], snap[0][0])
+
+
+def test_fused_changed_between_steps_is_an_error_not_ignored():
+    """group["fused"] = True on a generic group: an error naming both settings (the group
+    would otherwise stay generic while saying fused=True); setting both switches the path."""
+    p = torch.nn.Parameter(torch.randn(4, 4))
+    opt = ruda_torch.AdamW([p], lr=1e-2)
+    p.grad = torch.randn_like(p)
+    opt.step()
+    opt.param_groups[0]["fused"] = True
+    with pytest.raises(ValueError, match="fused=True and fused_step=False disagree"):
+        opt.step()
+    opt.param_groups[0]["fused_step"] = True
+    opt.step()
+    assert opt._plan is not None and opt._plan.groups  # the fused path now
+
+
+def test_torch_checkpoint_fused_keeps_this_optimizers_path():
+    """A torch checkpoint's `fused` names torch's path: loaded, the group keeps ours
+    (fused_step) and a coherent `fused`."""
+    p = torch.nn.Parameter(torch.randn(3))
+    t = torch.optim.AdamW([torch.nn.Parameter(torch.randn(3))], fused=False)
+    ours = ruda_torch.AdamW([p], fused_step=True)
+    ours.load_state_dict(t.state_dict())
+    g = ours.param_groups[0]
+    assert g["fused_step"] and g["fused"] is None
+    p.grad = torch.randn_like(p)
+    ours.step()

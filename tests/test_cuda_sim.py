@@ -245,6 +245,41 @@ def test_update_8bit_matches_cpu(sim, schedule, pdtype, amsgrad, master, roundin
     assert not torch.equal(cpu["exp_avg"], state["exp_avg"])  # the step wrote codes
 
 
+@pytest.mark.parametrize("views", ["aligned", "unaligned"])
+@pytest.mark.parametrize(
+    "pdtype,amsgrad,master",
+    [(torch.float32, True, False), (torch.bfloat16, False, True)],
+    ids=["fp32-amsgrad", "bf16-master"],
+)
+def test_update_8bit_overflow_matches_cpu(sim, schedule, pdtype, amsgrad, master, views):
+    """Moments that overflow (Note [8-bit moments]): gradients of 1e19, +-1e30, FLT_MAX (where
+    the dtype holds it) and subnormals, and stored moments already holding infinities and a
+    block of nothing but them; the special blocks decode, step and code again on the
+    emulated device as on the CPU, in the direct kernel and the edge kernel."""
+    from test_quant8 import _bucket_8bit, _extreme_grads
+
+    sizes = [97, 1025, 256, 4097]
+    params, grads, state, _ = _bucket_8bit(sizes, amsgrad, pdtype, seed=5, master=master)
+    grads = _extreme_grads(grads, 1, pdtype)
+    for key, code in (("exp_avg_sq", "unsigned"), ("max_exp_avg_sq", "unsigned")):
+        if state[key] is None:
+            continue
+        v = ops.unpack_8bit(state[key], code)
+        v[3] = v[1024 + 5] = float("inf")
+        v[2048:2304] = float("inf")  # the 256 block: every moment infinite
+        state[key] = ops.pack_8bit(v, code)
+    m = ops.unpack_8bit(state["exp_avg"], "signed")
+    m[1024 + 7] = float("-inf")
+    state["exp_avg"] = ops.pack_8bit(m, "signed")
+    if views == "unaligned":
+        params = [torch.empty(p.numel() + 1, dtype=p.dtype)[1:].copy_(p) for p in params]
+    state = dict(state, params=params, grads=grads)
+    cpu, emu = _run_both(sim, state, rounding=0, seed=11)
+    _compare(cpu, emu, f"8-bit overflow {pdtype}")
+    for key, code in (("exp_avg", "signed"), ("exp_avg_sq", "unsigned")):  # special blocks
+        assert torch.isinf(ops.unpack_8bit(cpu[key], code)).any(), key
+
+
 @pytest.mark.parametrize("control", ["found_inf", "stats-skip", "stats-clip", "lr-tensor",
                                      "bad-scale"])  # fmt: skip
 def test_update_controls_match_cpu(sim, schedule, control):
@@ -325,13 +360,19 @@ def test_merge_chunks_matches_cpu(sim, schedule, n):
 def test_quantize_8bit_matches_cpu(sim, schedule, code, n):
     """Blockwise 8-bit codes (Note [8-bit moments] in csrc/quant8.h): codes, scales and
     decoded values of the emulated kernels equal the CPU kernels', with wide magnitudes,
-    a block holding a NaN and one holding an infinity, a block of zeros and ties."""
+    a block holding a NaN and one holding an infinity (their special codes and negated
+    scales), one of subnormals with an infinity (scale -0.0), a block of zeros and ties."""
     gen = torch.Generator().manual_seed(n)
     x = torch.randn(n, generator=gen) * torch.exp(torch.randn(n, generator=gen) * 3)
     if n >= 1025:
         x[300] = float("nan")
         x[700] = float("-inf")
+        x[701] = float("inf")
         x[768:1024] = 0.0
+    if n >= 4097:
+        x[1024:1280] = 1e-40
+        x[1100] = float("inf")
+        x[1280:1536] = float("nan")
     if code == "unsigned":
         x = x.abs()
     codes, scales = ops.quantize_8bit(x, code)
@@ -349,9 +390,11 @@ def test_quantize_8bit_matches_cpu(sim, schedule, code, n):
 def test_dequantize_every_code_matches_cpu(sim, code):
     """All 256 codes of each kind decoded by the CUDA kernels (decode8_scaled: the code's bits
     placed in an FP32 and one exact product, Note [8-bit moments]) and by the CPU kernels,
-    with scales of every kind: tiny, huge, zero, one."""
-    codes = torch.arange(256, dtype=torch.uint8).repeat(6)
-    scales = torch.tensor([1.0, 3.0e38, 1.5e-38, 0.0, 7.25e-3, 2.0**-100])
+    with scales of every kind: tiny, huge, zero, one, and the negated scales of blocks with
+    non-finite values (their special codes), -0.0 and NaN of either sign among them."""
+    scales = torch.tensor([1.0, 3.0e38, 1.5e-38, 0.0, 7.25e-3, 2.0**-100, -1.0, -3.0e38, -0.0,
+                           -7.25e-3, float("nan"), -float("nan")])  # fmt: skip
+    codes = torch.arange(256, dtype=torch.uint8).repeat(scales.numel())
     out = torch.full((codes.numel(),), -1.0)
     sim.dequantize_8bit(codes, scales, out, ops.CODES_8BIT.index(code))
     _same(out, ops.dequantize_8bit(codes, scales, code), f"{code} codes")

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import copy
 import datetime
+import io
 import multiprocessing
 import os
 import time
@@ -902,7 +903,48 @@ def scenario_flat_grads(rank: int, workdir: str, bucket_view: bool) -> None:
             build(setup, flat_grads=True)
 
 
+def scenario_pickling_process_groups(rank: int, workdir: str) -> None:
+    """An optimizer with process_group or partition_group: pickle and torch.save(optimizer)
+    refuse it with an error that names the option and says what to use (state_dict), and
+    change nothing; deepcopy shares the group and steps as the original; the state dict
+    (rank tuples in place of the groups) loads into an optimizer made with the group and
+    resumes it bit for bit."""
+    import pickle
+
+    for name in ("process_group", "partition_group"):
+        model = make_model()
+        opt = ruda_torch.AdamW(model.parameters(), **HP, fused_step=True,
+                               max_grad_norm=MAX_GRAD_NORM, hierarchical_stats=True,
+                               **{name: dist.group.WORLD})  # fmt: skip
+        train(model, opt, range(1, 3), rank)
+        before = local_state(model, opt)
+        for save in (pickle.dumps, lambda o: torch.save(o, io.BytesIO())):
+            with pytest.raises(TypeError, match=rf"{name}= \(ranks \[0, 1\]\) cannot be "
+                               r"pickled.*optimizer\.state_dict\(\)"):  # fmt: skip
+                save(opt)
+        after = local_state(model, opt)
+        for a, b in zip(before, after, strict=True):
+            assert_same_bits(list(a.values()), list(b.values()), "state after a refused pickle")
+        twin_model, twin = copy.deepcopy((model, opt))  # one memo: the copy's parameters
+        assert getattr(twin, name) is dist.group.WORLD
+        resumed_model = copy.deepcopy(model)
+        resumed = ruda_torch.AdamW(resumed_model.parameters(), **HP, fused_step=True,
+                                   max_grad_norm=MAX_GRAD_NORM, hierarchical_stats=True,
+                                   **{name: dist.group.WORLD})  # fmt: skip
+        buf = io.BytesIO()
+        torch.save(opt.state_dict(), buf)
+        buf.seek(0)
+        resumed.load_state_dict(torch.load(buf, weights_only=True))
+        reports = [train(m, o, range(3, 5), rank)
+                   for m, o in ((model, opt), (twin_model, twin), (resumed_model, resumed))]  # fmt: skip
+        for m in (twin_model, resumed_model):
+            assert_same_bits(local_params(m), local_params(model), f"{name}: parameters")
+        assert_same_bits(reports[1], reports[0], f"{name}: deepcopy reports")
+        assert_same_bits(reports[2], reports[0], f"{name}: resumed reports")
+
+
 SCENARIOS = {
+    "pickling-process-groups": scenario_pickling_process_groups,
     "flat-grads": scenario_flat_grads,
     "rank-order": scenario_rank_order,
     "zero-global-statistics": scenario_zero_global_statistics,
@@ -975,6 +1017,10 @@ def test_zero_redundancy_optimizer_load_into_a_stepped_optimizer(tmp_path, fused
 def test_global_report_folds_three_ranks_in_rank_order(tmp_path, layout):
     """Note [Rank order needs three ranks]."""
     run_scenario(tmp_path, "rank-order", world=3, layout=layout)
+
+
+def test_pickling_with_process_groups_is_refused_clearly(tmp_path):
+    run_scenario(tmp_path, "pickling-process-groups")
 
 
 def test_zero_redundancy_optimizer_global_statistics_with_partition_group(tmp_path):

@@ -133,6 +133,33 @@ def test_grad_dtype_is_refused_with_flat_grads():
     ruda_torch.AdamW(model.parameters(), fused_step=True)  # accepted without flat_grads
 
 
+@pytest.mark.parametrize("then", ["step", "zero_grad"])
+def test_grad_dtype_set_after_construction_is_refused_before_any_write(then):
+    """torch lets a parameter whose gradient was cleared take a grad_dtype of its own after
+    the optimizer installed its flat views: the next step (or zero_grad) would have to put a
+    view of the parameter's dtype back, which torch refuses. Refused up front: nothing
+    stepped, no gradient zeroed, in any bucket; set right, the optimizer steps."""
+    gen = torch.Generator().manual_seed(0)
+    first = torch.nn.Parameter(torch.randn(6, 5, generator=gen))
+    second = torch.nn.Parameter(torch.randn(7, generator=gen).bfloat16())
+    opt = ruda_torch.AdamW([{"params": [first]}, {"params": [second]}], fused_step=True,
+                           flat_grads=True, lr=1e-2)  # fmt: skip
+    second.grad = None
+    second.grad_dtype = torch.float32  # allowed: it has no gradient now
+    (first.sum() * 2 + second.float().pow(2).sum()).backward()
+    assert second.grad.dtype == torch.float32
+    before = [t.detach().clone() for t in (first, second, first.grad, second.grad)]
+    with pytest.raises(ValueError, match=r"param group 1.*grad_dtype=torch\.float32.*flat_grads=False"
+                       if then == "step" else r"grad_dtype=torch\.float32.*flat_grads=False"):  # fmt: skip
+        getattr(opt, then)()
+    after = [t.detach() for t in (first, second, first.grad, second.grad)]
+    assert all(torch.equal(a, b) for a, b in zip(after, before, strict=True))
+    assert not opt.state or all(not st for st in opt.state.values())
+    second.grad_dtype = None  # any gradient dtype: the view can go back
+    opt.step()
+    assert not torch.equal(first.detach(), before[0]) and second.grad.dtype == torch.bfloat16
+
+
 # ------------------------------------------------------------------ state views
 
 
@@ -372,26 +399,42 @@ def test_grad_scaler_without_gradients_raises_as_torch():
         assert scaler.get_scale() == 2.0**8
 
 
-def test_float64_clip_coefficient_is_float64():
-    """max_grad_norm on FP64 parameters (tensor-operation norm): the coefficient is FP64,
-    as clip_grad_norm_'s; an FP32 one was 3e-8 relative off."""
+@pytest.mark.parametrize(
+    "options",
+    [{"fused_step": False}, {"fused_step": True}, {"fused_step": True, "maximize": True},
+     {"fused_step": True, "flat_grads": True, "amsgrad": True}],
+    ids=["generic", "fused", "fused-maximize", "fused-flat-amsgrad"],
+)  # fmt: skip
+def test_float64_clip_coefficient_is_float64(options):
+    """max_grad_norm on FP64 parameters (tensor-operation norm), on either path: the
+    coefficient is FP64, as clip_grad_norm_'s, and the fused kernel reads it so (an FP32
+    one was 3e-8 relative off): parameters and moments follow clip_grad_norm_ +
+    torch.optim.AdamW in FP64 over five steps, to the last bits of the norm's summation
+    order (clip_grad_norm_ takes the norm of the tensors' norms, we the root of their
+    squares' sum)."""
     torch.manual_seed(5)
-    grads = [torch.randn(1025, dtype=torch.float64), torch.randn(97, dtype=torch.float64)]
-    for fused in (False, True):
-        ps = [nn.Parameter(torch.randn_like(g)) for g in grads]
-        twins = [nn.Parameter(p.detach().clone()) for p in ps]
-        ours = ruda_torch.AdamW(ps, **HP, max_grad_norm=0.5, fused_step=fused)
-        theirs = torch.optim.AdamW(twins, **HP, foreach=False)
-        for p, q, g in zip(ps, twins, grads, strict=True):
-            p.grad, q.grad = g.clone(), g.clone()
+    shapes = [(1025,), (97,), (33, 7)]
+    ps = [nn.Parameter(torch.randn(s, dtype=torch.float64)) for s in shapes]
+    twins = [nn.Parameter(p.detach().clone()) for p in ps]
+    ours = ruda_torch.AdamW(ps, **HP, max_grad_norm=0.5, **options)
+    torch_kw = {k: v for k, v in options.items() if k in ("maximize", "amsgrad")}
+    theirs = torch.optim.AdamW(twins, **HP, foreach=False, **torch_kw)
+    for _ in range(5):
+        for p, q in zip(ps, twins, strict=True):
+            g = torch.randn(p.shape, dtype=torch.float64) * 3
+            if p.grad is None:
+                p.grad = g.clone()
+            else:
+                p.grad.copy_(g)  # into the flat views where there are any
+            q.grad = g.clone()
         ours.step()
         torch.nn.utils.clip_grad_norm_(twins, 0.5)
         theirs.step()
-        for p, q in zip(ps, twins, strict=True):
-            # exp_avg = (1 - beta1) * clip * g carries the coefficient's precision.
-            m, m_ref = ours.state[p]["exp_avg"], theirs.state[q]["exp_avg"]
-            tol = 1e-13 if not fused else 1e-7  # the fused kernel reads it as FP32
-            torch.testing.assert_close(m, m_ref, rtol=tol, atol=0)
+    for p, q in zip(ps, twins, strict=True):
+        # exp_avg = (1 - beta1) * clip * g carries the coefficient's precision.
+        for key in ("exp_avg", "exp_avg_sq"):
+            torch.testing.assert_close(ours.state[p][key], theirs.state[q][key], rtol=1e-13, atol=0)
+        torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-14, atol=1e-15)
 
 
 class _TaggedParameter(nn.Parameter):

@@ -762,6 +762,38 @@ def test_clip_coef_tensor(coef):
     check_against(ours, ref, theirs.state(), None, "one_step", f"clip_coef {coef}")
 
 
+@pytest.mark.parametrize("maximize", [False, True])
+def test_clip_coef_float64_for_float64_parameters(maximize):
+    """FP64 parameters take an FP64 clip_coef (clip_grad_norm_'s, not rounded to FP32):
+    the step is, bit for bit, the unclipped step on gradients multiplied by it in FP64."""
+    gen = torch.Generator().manual_seed(9)
+    coef = 0.1 + 2.0**-40  # no FP32 value
+    sizes = [97, 1025]
+    params = [torch.randn(n, generator=gen, dtype=torch.float64) for n in sizes]
+    grads = [torch.randn(n, generator=gen, dtype=torch.float64) for n in sizes]
+
+    def run(grads, clip):
+        ps = [p.clone() for p in params]
+        total = sum(sizes)
+        m = torch.randn(total, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+        v = torch.rand(total, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+        steps = torch.tensor([2.0, 5.0])
+        slots = torch.tensor([[0, 0], [97, 1]])
+        ops.adamw_scaled_(ps, grads, m, v, None, steps, slots, lr=1e-2, beta1=0.9,
+                          beta2=0.999, eps=1e-8, weight_decay=1e-2, maximize=maximize,
+                          clip_coef=clip)  # fmt: skip
+        return ps, m, v
+
+    clipped = run(grads, torch.tensor([coef], dtype=torch.float64))
+    premultiplied = run([g * coef for g in grads], None)
+    for a, b in zip(clipped, premultiplied, strict=True):
+        for x, y in zip(a if isinstance(a, list) else [a], b if isinstance(b, list) else [b],
+                        strict=True):  # fmt: skip
+            assert same_bits(x, y)
+    rounded = run(grads, torch.tensor([coef], dtype=torch.float32))
+    assert not same_bits(rounded[1], clipped[1])  # FP32 would clip by another number
+
+
 # --------------------------------------------------------- gradients and thread counts
 
 
@@ -1160,6 +1192,11 @@ BAD_INPUTS = [
         "clip_coef_int",
         _kw(clip_coef=lambda: torch.ones(1, dtype=torch.int32)),
         r"clip_coef must be float32 \(got Int\)",
+    ),
+    (  # FP64 is for FP64 parameters
+        "clip_coef_double",
+        _kw(clip_coef=lambda: torch.ones(1, dtype=torch.float64)),
+        r"clip_coef must be float32 \(got Double\)",
     ),
     ("lr_negative", _kw(lr=-1e-3), r"invalid learning rate \(lr >= 0\): -0\.001"),
     ("lr_nan", _kw(lr=math.nan), r"invalid learning rate \(lr >= 0\): nan"),

@@ -27,6 +27,14 @@ def _inputs(n: int, code: str, spread: float, seed: int) -> torch.Tensor:
     return x.abs() if code == "unsigned" else x
 
 
+def _same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bit for bit, NaN of any payload equal to NaN (the reference's NaN is torch's)."""
+    nan = a.isnan()
+    return torch.equal(nan, b.isnan()) and torch.equal(
+        a[~nan].view(torch.int32), b[~nan].view(torch.int32)
+    )
+
+
 def _both(x: torch.Tensor, code: str):
     codes, scales = ops.quantize_8bit(x, code)
     ref_codes, ref_scales = quantize_8bit_reference(x, code)
@@ -122,24 +130,72 @@ def test_below_the_smallest_code():
 
 @pytest.mark.parametrize("code", CODES)
 def test_non_finite_and_tiny_blocks(code):
-    """A block with a NaN or an infinity stores the scale NaN and codes 0 (all of it
-    decodes to NaN); a block whose largest magnitude is below 2^-126 is stored as zeros;
-    the blocks around them are unaffected."""
-    x = _inputs(5 * 256, code, 1.0, seed=3)
+    """A block with a NaN or an infinity keeps them in their elements (special codes) and
+    its finite values coded against its largest finite magnitude, its scale negated; a
+    block whose largest finite magnitude is below 2^-126 is stored as zeros (scale -0.0
+    beside an infinity); the blocks around them are unaffected."""
+    x = _inputs(7 * 256, code, 1.0, seed=3)
     x[256 + 17] = float("nan")
     x[512 + 3] = float("inf")
+    x[512 + 4] = float("-inf")
     x[768:1024] = x[768:1024].sign() * 1e-39  # subnormal FP32
+    x[1024:1280] = x[1024:1280].sign() * 1e-39
+    x[1024 + 9] = float("inf")
+    x[1280:1536] = float("nan")
     codes, scales = ops.quantize_8bit(x, code)
     ref_codes, ref_scales = quantize_8bit_reference(x, code)
     assert torch.equal(codes, ref_codes)
-    assert scales[1].isnan() and scales[2].isnan() and scales[3] == 0
-    assert (codes[256:1024] == 0).all()
+    assert torch.equal(scales.view(torch.int32), ref_scales.view(torch.int32))
+    finite_part = x.clone()
+    finite_part[~torch.isfinite(x)] = 0
+    for b in (1, 2):  # the scale: minus the largest finite magnitude
+        part = slice(256 * b, 256 * (b + 1))
+        assert scales[b] == -finite_part[part].abs().max()
+    assert scales[3] == 0 and not scales[3].signbit()
+    assert scales[4] == 0 and scales[4].signbit()
+    assert scales[5] == 0 and scales[5].signbit()  # all NaN: no finite value
     decoded = ops.dequantize_8bit(codes, scales, code)
-    assert decoded[256:768].isnan().all() and (decoded[768:1024] == 0).all()
-    for b in (0, 4):
+    assert _same_values(decoded, dequantize_8bit_reference(codes, scales, code))
+    special = ~torch.isfinite(x)
+    assert torch.equal(decoded[special].isnan(), x[special].isnan())
+    inf = torch.isinf(x)
+    want_inf = x[inf] if code == "signed" else x[inf].abs()
+    assert torch.equal(decoded[inf], want_inf)
+    assert torch.isfinite(decoded[~special]).all()
+    assert (decoded[768:1024] == 0).all() and (decoded[1024:1280][~special[1024:1280]] == 0).all()
+    for b in (0, 6):
         part = slice(256 * b, 256 * (b + 1))
         alone, _ = ops.quantize_8bit(x[part].clone(), code)
         assert torch.equal(codes[part], alone)
+    for b in (1, 2):  # the finite values code as they would in a block without the others
+        part = slice(256 * b, 256 * (b + 1))
+        alone, alone_scale = ops.quantize_8bit(finite_part[part].clone(), code)
+        keep = torch.isfinite(x[part])
+        assert torch.equal(codes[part][keep], alone[keep])
+        assert torch.equal(decoded[part][keep], ops.dequantize_8bit(alone, alone_scale, code)[keep])
+
+
+@pytest.mark.parametrize("code", CODES)
+def test_special_codes_are_no_finite_value(code):
+    """No finite block codes 0x7E/0x7F (signed magnitude) or 0xFE/0xFF (unsigned), and
+    q = 1 (the largest) codes 0x70 / 0xF0: the special codes cannot be met in a block
+    whose scale is its largest magnitude."""
+    x = _inputs(65536, code, 4.0, seed=11)
+    codes, _ = ops.quantize_8bit(x, code)
+    magnitude = codes.long() & 0x7F if code == "signed" else codes.long()
+    assert magnitude.max().item() == (0x70 if code == "signed" else 0xF0)
+
+
+@pytest.mark.parametrize("code", CODES)
+def test_earlier_format_non_finite_block_decodes_as_nan(code):
+    """A checkpoint written before the special codes stored a block with a non-finite
+    value as scale NaN (sign bit clear) and codes 0: it decodes as every element NaN."""
+    codes = torch.zeros(512, dtype=torch.uint8)
+    codes[256:] = 0x30
+    scales = torch.tensor([float("nan"), 2.0])
+    decoded = ops.dequantize_8bit(codes, scales, code)
+    assert decoded[:256].isnan().all() and torch.isfinite(decoded[256:]).all()
+    assert _same_values(decoded, dequantize_8bit_reference(codes, scales, code))
 
 
 def test_unsigned_codes_store_magnitudes():
@@ -336,3 +392,58 @@ def test_8bit_buffers_are_checked():
     params, grads, state, _ = _bucket_8bit([300], amsgrad=False)
     with pytest.raises(RuntimeError, match="exp_avg_sq must be uint8"):
         _step(params, grads, {**state, "exp_avg_sq": torch.zeros(512)})
+
+
+# Gradients whose moments overflow or underflow FP32 (Note [8-bit moments]): finite, so no
+# finite check skips them. 1e19 squares to 1e38 (finite); 1e30, -1e30 and FLT_MAX square to
+# inf; 1e-40 is subnormal and squares to 0.
+FLT_MAX = torch.finfo(torch.float32).max
+EXTREME_GRADS = (1e19, 1e30, -1e30, FLT_MAX, -FLT_MAX, 1e-40)
+
+
+def _extreme_grads(grads, seed, dtype):
+    """grads with extreme values dropped in: single ones in some blocks, a block of nothing
+    but overflowing values, and one mixing every kind. Values the dtype cannot hold finite
+    are left out (FLT_MAX is not a BF16 value: it rounds to inf)."""
+    gen = torch.Generator().manual_seed(seed)
+    extremes = [x for x in EXTREME_GRADS if torch.isfinite(torch.tensor(x).to(dtype))]
+    out = []
+    for g in grads:
+        g = g.clone()
+        n = g.numel()
+        if n >= 2 * BLOCK:
+            g[BLOCK : 2 * BLOCK] = extremes[1]  # a block of overflowing values
+        for i in range(0, n, 97):  # sprinkled: mixed blocks
+            pick = torch.randint(len(extremes), (1,), generator=gen).item()
+            g[i] = extremes[pick]
+        out.append(g)
+    return out
+
+
+@pytest.mark.parametrize("amsgrad", [False, True], ids=["adamw", "amsgrad"])
+@pytest.mark.parametrize("param_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_8bit_step_with_overflowing_moments_is_the_fp32_step(amsgrad, param_dtype):
+    """Gradients of 1e19, +-1e30, +-FLT_MAX and subnormals: the fused 8-bit step is still
+    the FP32 step on the decoded moments, bit for bit, and every parameter the FP32 step
+    keeps finite stays finite (an infinite second moment is kept in its element, as FP32
+    keeps it: its parameter moves by the weight decay only, the rest of the block as
+    usual), over three steps (the later ones with ordinary gradients)."""
+    sizes = [97, 1025, 4096]
+    params, grads, state, offsets = _bucket_8bit(sizes, amsgrad, param_dtype, seed=4)
+    ordinary = [g.clone() for g in grads]
+    ref_params = [p.clone() for p in params]
+    for step in range(3):
+        step_grads = _extreme_grads(ordinary, step, param_dtype) if step == 0 else ordinary
+        ref = _decoded(state)
+        _step(ref_params, step_grads, ref)
+        want = _requantized(ref, offsets, sizes, state)
+        _step(params, step_grads, state)
+        for p, q in zip(params, ref_params, strict=True):
+            assert _same_values(p.float(), q.float()), f"parameters at step {step}"
+            assert torch.isfinite(p).all(), f"a parameter became non-finite at step {step}"
+        for key, packed in want.items():
+            assert torch.equal(state[key], packed), f"{key} at step {step}"
+        for p, q in zip(params, ref_params, strict=True):
+            q.copy_(p)
+    v = ops.unpack_8bit(state["exp_avg_sq"], "unsigned")
+    assert torch.isinf(v).any() and not torch.isnan(v).any()

@@ -84,9 +84,10 @@ def _decoded_state(opt) -> dict:
     return {p: {k: v.clone() for k, v in st.items()} for p, st in sd["state"].items()}
 
 
-def _oracle_step(model, opt, s: int, cls=ruda_torch.AdamW, **kw) -> None:
+def _oracle_step(model, opt, s: int, cls=ruda_torch.AdamW, edit_grads=None, **kw) -> None:
     """One step of ``opt`` (made with ``kw`` and state_precision="8bit") against the
-    oracle of the module docstring, from the current state: bit for bit."""
+    oracle of the module docstring, from the current state: bit for bit. ``edit_grads``
+    changes both models' gradients before their steps."""
     twin = _Net(model.a.weight.dtype, model.a.out_features, model.t.shape[1])
     with torch.no_grad():
         for q, p in zip(twin.parameters(), model.parameters(), strict=True):
@@ -105,6 +106,8 @@ def _oracle_step(model, opt, s: int, cls=ruda_torch.AdamW, **kw) -> None:
     for m, o in ((model, opt), (twin, twin_opt)):
         o.zero_grad()
         _backward(m, s)
+        if edit_grads is not None:
+            edit_grads(m)
         o.step()
     for q, p in zip(twin.parameters(), model.parameters(), strict=True):
         assert same_bits(p.detach(), q.detach()), f"parameter at step {s}"
@@ -148,6 +151,89 @@ def test_8bit_steps_are_fp32_steps_on_decoded_moments(options):
     assert opt.state[model.a.bias]["exp_avg"].dtype == torch.float32  # below min_8bit_size
     t = opt.state[model.t][codes_key("exp_avg_sq")]
     assert t.stride() == model.t.stride()  # laid out as the parameter
+
+
+FLT_MAX = torch.finfo(torch.float32).max
+# Finite gradients whose moments overflow or underflow FP32: 1e19 squares to 1e38, 1e30 and
+# FLT_MAX to inf, 1e-40 (subnormal) to 0 (Note [8-bit moments] in csrc/quant8.h).
+EXTREME_GRADS = (1e19, 1e30, -1e30, FLT_MAX, -FLT_MAX, 1e-40)
+
+
+def _extreme_grads(model) -> None:
+    """Every 97th gradient element of each parameter an extreme value that its dtype holds
+    (mixed blocks), and the first 256 of a.weight 1e30 (a block of nothing but overflow)."""
+    with torch.no_grad():
+        for p in model.parameters():
+            g = p.grad
+            values = torch.tensor(EXTREME_GRADS).to(g.dtype)
+            values = values[torch.isfinite(values)]  # FLT_MAX is no BF16 value: it rounds to inf
+            index = torch.arange(0, g.numel(), 97)
+            g[torch.unravel_index(index, g.shape)] = values[index % len(values)]
+        model.a.weight.grad.view(-1)[:256] = 1e30
+
+
+OVERFLOW_OPTIONS = {
+    "plain": {},
+    "amsgrad": {"amsgrad": True},
+    "stats": {"hierarchical_stats": True},
+    "flat-stats-clip": {"flat_grads": True, "hierarchical_stats": True, "max_grad_norm": 0.05},
+    "clip": {"max_grad_norm": 0.05},
+}
+
+
+@pytest.mark.parametrize("options", list(OVERFLOW_OPTIONS), ids=str)
+def test_overflowing_moments_keep_the_parameters_finite(options):
+    """Finite gradients of 1e19, 1e30, FLT_MAX and subnormals, alone and mixed in a block,
+    with and without statistics and clipping: each 8-bit step is still the FP32 step on the
+    decoded moments, and no parameter becomes NaN or infinite, as none does in the FP32
+    step (an infinite second moment stays in its element: that parameter moves by its
+    weight decay, the other 255 of the block as usual) nor in torch's AdamW (with
+    clip_grad_norm_ where the option clips)."""
+    kw = OVERFLOW_OPTIONS[options]
+    model, ref = _Net(), _Net()
+    opt = _make(model, min_8bit_size=256, **kw)
+    torch_kw = {k: v for k, v in kw.items() if k == "amsgrad"}
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, **torch_kw)
+    for s in range(3):
+        edit = _extreme_grads if s == 0 else None
+        _oracle_step(model, opt, s, edit_grads=edit, min_8bit_size=256, **kw)
+        ref_opt.zero_grad()
+        _backward(ref, s)
+        if edit is not None:
+            edit(ref)
+        if "max_grad_norm" in kw:
+            torch.nn.utils.clip_grad_norm_(ref.parameters(), kw["max_grad_norm"])
+        ref_opt.step()
+        for p, q in zip(model.parameters(), ref.parameters(), strict=True):
+            assert torch.isfinite(q).all()  # the premise: torch keeps them finite
+            assert torch.isfinite(p).all(), f"a parameter became non-finite at step {s}"
+    if "max_grad_norm" not in kw:  # unclipped, 1e30 squared is an infinite moment
+        v = ruda_torch.dequantize_state_dict(opt.state_dict())["state"][0]["exp_avg_sq"]
+        assert torch.isinf(v).any() and not torch.isnan(v).any()
+
+
+@pytest.mark.parametrize(
+    "precision",
+    [("fp32", None), ("bf16", "nearest"), ("bf16", "stochastic"), ("8bit", None)],
+    ids=["fp32", "bf16-nearest", "bf16-stochastic", "8bit"],
+)
+@pytest.mark.parametrize("param_dtype", [torch.float32, torch.bfloat16], ids=["p32", "p16"])
+def test_overflowing_moments_in_every_state_precision(precision, param_dtype):
+    """The same gradients in every state precision, with 16-bit parameters too: every
+    parameter stays finite, as in torch's AdamW."""
+    state_precision, rounding = precision
+    kw = {"state_precision": state_precision, "min_8bit_size": 256, "amsgrad": True}
+    if rounding is not None:
+        kw["state_rounding"] = rounding
+    model = _Net(param_dtype)
+    opt = _make(model, **kw)
+    for s in range(3):
+        opt.zero_grad()
+        _backward(model, s)
+        if s == 0:
+            _extreme_grads(model)
+        opt.step()
+        assert all(torch.isfinite(p).all() for p in model.parameters()), f"step {s}"
 
 
 def test_adam_l2_decay_with_8bit_moments():

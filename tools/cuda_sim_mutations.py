@@ -92,6 +92,10 @@ MUTATIONS = [
      _replace("if (k + j < n) codes8(L, q, sk_out)[k + j] = code_of(oc[q], j);",
               "if (k + j < n - 1) codes8(L, q, sk_out)[k + j] = code_of(oc[q], j);"),
      "update_8bit_matches_cpu and forward and fp32 and unaligned", None),
+    ("8-bit blocks with an infinity decoded as ordinary ones", "cuda_utils.cuh",
+     _replace("  if (special_block(s)) {\n    for (int j = 0; j < kPerLane8; ++j) x[j] =",
+              "  if (false) {\n    for (int j = 0; j < kPerLane8; ++j) x[j] ="),
+     "update_8bit_overflow_matches_cpu and forward and fp32-amsgrad and aligned", None),
 ]  # fmt: skip
 
 

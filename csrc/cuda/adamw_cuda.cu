@@ -274,7 +274,7 @@ struct TileWalk {
 
   // The coefficients of unit u (Note [Division by a step constant]: FP32 math needs the
   // bias corrections' reciprocals only).
-  __device__ StepCoefs<M> coefs(const AdamWLaunch& L, float factor, double lr) const {
+  __device__ StepCoefs<M> coefs(const AdamWLaunch& L, double factor, double lr) const {
     if constexpr (std::is_same_v<M, float>) {
       return coefs_at<M>(L.hyper, factor, lr, 0.0f, 0.0f, bc1, bc2);
     } else {
@@ -328,7 +328,7 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm) adamw_kernel(AdamWLaun
   UnitTile& tile = tiles[threadIdx.x];
   w.init(L);
   for (; w.at_unit(L, tile); ++w.u) {
-    const StepCoefs<M> c = w.coefs(L, d.factor, lr);
+    const StepCoefs<M> c = w.coefs(L, factor_of<M>(d), lr);
     const int32_t end = tile.count;
     const int64_t state0 = tile.state0;
     Slice<P, G, S> s;
@@ -476,10 +476,10 @@ __device__ inline void step_block8(const AdamWLaunch& L, const StepCoefs<float>&
 #pragma unroll
   for (int q = 0; q < kMoments; ++q) {
     float x[kPerLane8];
-#pragma unroll
-    for (int j = 0; j < kPerLane8; ++j) {
-      x[j] = q == 0 ? dequantize8_scaled<Code8::kSigned>(code_of(cw[q], j), sc[q])
-                    : dequantize8_scaled<Code8::kUnsigned>(code_of(cw[q], j), sc[q]);
+    if (q == 0) {
+      decode_lane8<Code8::kSigned>(cw[q], sc[q], x);
+    } else {
+      decode_lane8<Code8::kUnsigned>(cw[q], sc[q], x);
     }
 #pragma unroll
     for (int h = 0; h < 4; ++h) park.v[q][h][tid] = make_float2(x[2 * h], x[2 * h + 1]);
@@ -554,10 +554,10 @@ __device__ inline void step_block8(const AdamWLaunch& L, const StepCoefs<float>&
   uint2 oc[3];
 #pragma unroll
   for (int q = 0; q < kMoments; ++q) {
-    sc[q] = block_scale(warp_largest(largest[q]));
     const float2 x0 = park.v[q][0][tid], x1 = park.v[q][1][tid], x2 = park.v[q][2][tid],
                  x3 = park.v[q][3][tid];
     const float x[kPerLane8] = {x0.x, x0.y, x1.x, x1.y, x2.x, x2.y, x3.x, x3.y};
+    sc[q] = lane_block_scale(x, kPerLane8, largest[q]);
     oc[q] =
         q == 0 ? encode_lane8<Code8::kSigned>(x, sc[q]) : encode_lane8<Code8::kUnsigned>(x, sc[q]);
   }
@@ -612,7 +612,7 @@ __device__ inline void step_tiles8(const AdamWLaunch& L) {
     }
     __syncwarp();  // ... and sees the new one
     if (!more) break;
-    const StepCoefs<float> c = now.coefs(L, d.factor, lr);
+    const StepCoefs<float> c = now.coefs(L, factor_of<float>(d), lr);
     const int32_t count = tile.count;
     // 128-bit accesses of elements (16 bytes) and 64-bit accesses of codes: the blocks start
     // at multiples of kBlock8 from these.

@@ -328,18 +328,51 @@ __device__ inline uint32_t largest_of(const float* x, int n, uint32_t largest) {
   return largest;
 }
 
-// A lane's 8 codes of x[j] = its element 8 lane + j, in a block of scale s (block_scale of
-// the warp's largest magnitude): two words, byte j the code of x[j].
+// The scale of a block whose lanes hold x[0..n): block_scale() of the warp's largest
+// magnitude; a block with a value that is not finite (the maximum at or above kInfBits,
+// the same in every lane, so the branch is the warp's) takes a second butterfly for its
+// largest finite magnitude (Note [8-bit moments]).
+__device__ inline float lane_block_scale(const float* x, int n, uint32_t lane_largest) {
+  const uint32_t largest = warp_largest(lane_largest);
+  if (largest < kInfBits) return block_scale(largest, false);
+  uint32_t finite = 0u;
+  for (int j = 0; j < n; ++j) {
+    const uint32_t m = finite_magnitude_bits(x[j]);
+    finite = m > finite ? m : finite;
+  }
+  return block_scale(warp_largest(finite), true);
+}
+
+// A lane's 8 codes of x[j] = its element 8 lane + j, in a block of scale s (from
+// lane_block_scale): two words, byte j the code of x[j]. A block stored as zeros has
+// inverse 0, and 0 codes to 0.
 template <Code8 kCode>
 __device__ inline uint2 encode_lane8(const float* x, float s) {
   const float inverse = block_inverse(s);
-  const uint32_t keep = mask_if(s > 0.0f);  // a block of zeros, or not finite: codes 0
   uint32_t w[2] = {0u, 0u};
+  if (special_block(s)) {  // the warp's branch: a block with non-finite values
+    for (int j = 0; j < kPerLane8; ++j) {
+      w[j / 4] |= static_cast<uint32_t>(encode8_special<kCode>(x[j], inverse)) << (8 * (j % 4));
+    }
+  } else {
 #pragma unroll
-  for (int j = 0; j < kPerLane8; ++j) {
-    w[j / 4] |= (static_cast<uint32_t>(encode8<kCode>(x[j] * inverse)) & keep) << (8 * (j % 4));
+    for (int j = 0; j < kPerLane8; ++j) {
+      w[j / 4] |= static_cast<uint32_t>(encode8<kCode>(x[j] * inverse)) << (8 * (j % 4));
+    }
   }
   return make_uint2(w[0], w[1]);
+}
+
+// A lane's 8 values of codes c in a block of scale s: dequantize8_scaled's, or in a block
+// with non-finite values (the scale's sign, the warp's branch) dequantize8_special's.
+template <Code8 kCode>
+__device__ inline void decode_lane8(uint2 c, float s, float* x) {
+  if (special_block(s)) {
+    for (int j = 0; j < kPerLane8; ++j) x[j] = dequantize8_special<kCode>(code_of(c, j), s);
+  } else {
+#pragma unroll
+    for (int j = 0; j < kPerLane8; ++j) x[j] = dequantize8_scaled<kCode>(code_of(c, j), s);
+  }
 }
 
 // Launches `kernel` as `grid` blocks of `threads` threads on `stream`: `<<<...>>>` under

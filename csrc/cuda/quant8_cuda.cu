@@ -47,7 +47,7 @@ __global__ void __launch_bounds__(kQuant8Threads)
     float values[kPerLane8];
 #pragma unroll
     for (int j = 0; j < kPerLane8; ++j) values[j] = __uint_as_float(words[j]);
-    const float scale = block_scale(warp_largest(largest_of(values, kPerLane8, 0u)));
+    const float scale = lane_block_scale(values, kPerLane8, largest_of(values, kPerLane8, 0u));
     const uint2 c = encode_lane8<kCode>(values, scale);
     if (lane == 0) scales[b] = scale;
     if (whole) {
@@ -67,9 +67,11 @@ __global__ void __launch_bounds__(kQuant8Threads)
   const int64_t blocks = (n + kBlock8 - 1) / kBlock8;
   for (int64_t b = blockIdx.x; b < blocks; b += gridDim.x) {
     const int64_t k = b * kBlock8 + threadIdx.x;
-    if (k < n)
-      out[k] =
-          dequantize8_scaled<kCode>(codes[k], scales[b]);  // static-check: 32-bit (a block's scale)
+    const float s = scales[b];  // static-check: 32-bit (a block's scale)
+    if (k < n) {
+      out[k] = special_block(s) ? dequantize8_special<kCode>(codes[k], s)
+                                : dequantize8_scaled<kCode>(codes[k], s);
+    }
   }
 }
 

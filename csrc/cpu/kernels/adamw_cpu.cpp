@@ -405,7 +405,7 @@ void update_range(const AdamWLaunch& L, const TensorEntry& e, const StepCoefs<Ma
 }
 
 template <typename P, typename G, typename S, bool AMSGRAD>
-void run(const AdamWLaunch& L, float factor) {
+void run(const AdamWLaunch& L, double factor) {
   // A grain of a few tiles: a bucket of one or two tiles runs on the calling thread
   // instead of waking the pool (far more costly than the work on a loaded machine).
   constexpr int64_t kGrain = 4;
@@ -432,7 +432,7 @@ void run(const AdamWLaunch& L, float factor) {
 }
 
 template <typename P, typename G, typename S>
-void run_amsgrad(const AdamWLaunch& L, float factor) {
+void run_amsgrad(const AdamWLaunch& L, double factor) {
   if (L.amsgrad) {
     run<P, G, S, true>(L, factor);
   } else {
@@ -443,7 +443,7 @@ void run_amsgrad(const AdamWLaunch& L, float factor) {
 // The moments' storage type: the math type, or BF16, or 8-bit codes (not for FP64
 // parameters: the binding refuses them).
 template <typename P, typename G>
-void run_state(const AdamWLaunch& L, float factor) {
+void run_state(const AdamWLaunch& L, double factor) {
   if constexpr (!std::is_same_v<P, double>) {
     if (L.state_dtype == DType::kBFloat16) return run_amsgrad<P, G, c10::BFloat16>(L, factor);
     if (L.state_dtype == DType::kUInt8) return run_amsgrad<P, G, uint8_t>(L, factor);
@@ -453,7 +453,7 @@ void run_state(const AdamWLaunch& L, float factor) {
 
 // The gradient dtypes each parameter dtype takes (checked by the binding).
 template <typename P>
-void run_param(const AdamWLaunch& L, float factor) {
+void run_param(const AdamWLaunch& L, double factor) {
   if constexpr (std::is_same_v<P, double>) {
     run_state<double, double>(L, factor);
   } else if constexpr (std::is_same_v<P, float>) {
@@ -488,7 +488,7 @@ void adamw_cpu(const AdamWLaunch& L) {
     case DType::kBFloat16:
       return run_param<c10::BFloat16>(L, d.factor);
     case DType::kDouble:
-      return run_param<double>(L, d.factor);
+      return run_param<double>(L, d.factor64);
     case DType::kUInt8:  // a state dtype, never a parameter's (the binding)
       return;
   }
