@@ -84,12 +84,12 @@ After every measured batch, with S the number of steps each variant has taken:
 Note [Long chains]
 The table's "chain" rows are calibrated on 5 steps with a floor of 1 unit; a benchmark
 takes tens of steps. Each step's own rounding costs about 1 unit (tests/tolerances.py:
-SPEC section 1's arrangement stays within 1.1 units per step), and an error already in a
+docs/design.md section 1's arrangement stays within 1.1 units per step), and an error already in a
 moment shrinks by its beta at every later step. So after S steps from the common
 starting state the floor is sum(beta^j, j < S) units: at most 10 for the first moment
 (beta1 = 0.9), about S for the second moment (beta2 = 0.999) and its maximum, and S for
 the parameter. The implementations differ there in operation order: torch computes the
-first moment with lerp, which keeps its error near 1 unit, SPEC's arrangement
+first moment with lerp, which keeps its error near 1 unit, design.md's arrangement
 (beta1 m + (1 - beta1) g) lets it grow towards a few units; neither is a mistake.
 """
 

@@ -39,7 +39,7 @@ DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch
 
 
 def traffic(variant: str, dtype: torch.dtype) -> int:
-    """Bytes per element one step moves (Note [Traffic model] in docs/performance.md)."""
+    """Bytes per element one step moves (Note [Traffic model] in benchmarks/bench_adamw.py)."""
     b = torch.empty((), dtype=dtype).element_size()
     if variant == "copy":
         return 8

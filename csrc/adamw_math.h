@@ -105,7 +105,7 @@ RUDA_HOST_DEVICE inline double pow_int(double base, int64_t e) {
 
 // Note [Bias correction]
 // 1 - beta^t is computed in FP64 by integer exponentiation and cast once to FP32, as
-// SPEC section 1 asks. The kernels evaluate it from the step counter that lives in
+// docs/design.md section 1 asks. The kernels evaluate it from the step counter that lives in
 // device memory, so the host never needs to know t (no host sync).
 template <typename M = float>
 RUDA_HOST_DEVICE inline M bias_correction(double beta, int64_t t) {
@@ -269,7 +269,7 @@ RUDA_HOST_DEVICE inline StepCoefs<M> make_coefs(const AdamWHyper& h, double fact
 }
 
 // Note [Parameter dtypes]
-// * FP32 parameters: FP32 math and state (SPEC section 1).
+// * FP32 parameters: FP32 math and state (docs/design.md section 1).
 // * FP64 parameters: FP64 math, FP64 state and FP64 gradients, as torch's AdamW computes
 //   for them; the same expressions with M = double. (FP32 math would cost an FP64 user
 //   half the precision they chose, for no bandwidth gain worth having.)
@@ -455,7 +455,7 @@ RUDA_HOST_DEVICE inline float master_or_param(float master, uint16_t param, floa
 // (ScalarOps::div_step); tests/test_step_division.py checks the identity on every binade,
 // subnormals included, against the bias corrections of real steps.
 
-// The update in three stages (SPEC section 1):
+// The update in three stages (docs/design.md section 1):
 // adamw_moments: the gradient into the moments; returns v_used.
 //   g      = stored * factor   (+ l2 * p: Adam, Note [Weight decay modes])
 //   m      = beta1 * m + (1 - beta1) * g

@@ -403,8 +403,6 @@ void check_units(const char* op, int64_t units, size_t tensors) {
 
 }  // namespace
 
-DType grad_dtype_of(const at::Tensor& t) { return dtype_of(t.scalar_type()); }
-
 std::unique_ptr<FlatBucket> make_flat_bucket(
     std::vector<at::Tensor> owners, std::vector<at::Tensor> params, std::vector<at::Tensor> views,
     const at::Tensor& grad, const at::Tensor& exp_avg, const at::Tensor& exp_avg_sq,
@@ -717,7 +715,7 @@ PreparedStats prepare_analyze(at::TensorList grads, const std::optional<at::Tens
   prep.launch = {nullptr,
                  static_cast<int64_t>(n),
                  n_rows,
-                 n > 0 ? grad_dtype_of(grads[0]) : DType::kFloat,
+                 n > 0 ? dtype_of(grads[0].scalar_type()) : DType::kFloat,
                  ptr_or_null(grad_scale),
                  rows.data_ptr<float>()};
   return prep;

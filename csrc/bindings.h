@@ -67,8 +67,6 @@ Quant8Launch prepare_quantize_8bit(const at::Tensor& x, const at::Tensor& codes,
 Quant8Launch prepare_dequantize_8bit(const at::Tensor& codes, const at::Tensor& scales,
                                      const at::Tensor& out, int64_t code);
 
-DType grad_dtype_of(const at::Tensor& t);
-
 // Note [Flat gradient buckets] (ruda_torch/_fused.py has the Python side)
 // A bucket whose gradients are views of one flat buffer laid out like its state: the
 // views never move, so the table prepare_adamw validated once stays valid as long as no
@@ -93,7 +91,7 @@ struct FlatBucket {
   bool all_active = true;
   at::Tensor device_table;  // CUDA: the launch's table in device memory
   bool device_table_current = false;
-  // What each view is (Note [Exact views] in csrc/module.cpp), recorded when the handle
+  // What each view is (Note [Exact views] in csrc/py_records.h), recorded when the handle
   // is made and compared by flat_check at every step.
   std::vector<int64_t> view_facts;
   std::vector<int64_t> view_fact_starts;  // where view i's record starts in view_facts

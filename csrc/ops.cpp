@@ -9,7 +9,7 @@
 #include "bindings.h"
 
 TORCH_LIBRARY(ruda_torch, m) {
-  // In-place AdamW/AMSGrad over one bucket (SPEC section 1-2). `slots` is a CPU int64
+  // In-place AdamW/AMSGrad over one bucket (docs/design.md sections 1-2). `slots` is a CPU int64
   // tensor [n, 2]: the element offset of params[i]'s slice in the flat state buffers and
   // the index of its step counter in `steps`. Skip/clip/scale are read on the device.
   // `master`: FP32 master weights of 16-bit params (same layout as exp_avg); `lr_tensor`:

@@ -18,7 +18,7 @@
 
 from . import amp, ops
 from ._build import compiled_backends, cpu_capability
-from ._fused import dequantize_state_dict
+from ._state8bit import dequantize_state_dict
 from .functional import AdamWOptions, AdamWState, StepControl, StepResult, adamw_step
 from .optimizer import Adam, AdamW, GradientReport
 from .stats_plan import StatsPlan

@@ -2,10 +2,11 @@
 ``optimizer.state`` and ``param_groups``.
 
 Note [Buckets]
-With ``fused_step=True`` the parameters of one param group on one device with one dtype
-and one scope (Note [Scopes] in ruda_torch/distributed.py) form a bucket: flat buffers
-``exp_avg``, ``exp_avg_sq`` (and ``max_exp_avg_sq`` with AMSGrad; FP64 for FP64
-parameters, FP32 for all others), with ``master_weights`` a flat FP32 ``master`` for
+With ``fused_step=True`` the parameters of one param group on one device with one dtype,
+one scope (Note [Scopes] in ruda_torch/distributed.py) and one moment precision form a
+bucket: flat buffers ``exp_avg``, ``exp_avg_sq`` (and ``max_exp_avg_sq`` with AMSGrad;
+FP64 for FP64 parameters, else FP32, BF16 or 8-bit codes with their scales as the group's
+``state_precision`` says, Note [8-bit buckets]), with ``master_weights`` a flat FP32 ``master`` for
 FP16/BF16 parameters, in which every parameter owns a contiguous
 slice (starting on a 64-byte boundary, so the kernels use wide accesses), and a flat FP32
 ``steps`` buffer with one counter per parameter. ``optimizer.state[p]`` holds views into
@@ -37,7 +38,7 @@ its own) that the optimizer makes ``p.grad``; backward accumulates into it in pl
 kept per bucket, and checked by one C loop per step (``_C.flat_check``):
 - which gradients are still their views: ``p.grad`` is the view object, and the view is
   still exactly the view of its slice: storage, offset, dtype, sizes and strides (Note
-  [Exact views] in csrc/module.cpp: ``p.grad.data = t``, ``t_()``, ``resize_`` are all
+  [Exact views] in csrc/py_records.h: ``p.grad.data = t``, ``t_()``, ``resize_`` are all
   seen, whatever else shares the buffer). Any other gradient (assigned, None, allocated by
   backward after ``model.zero_grad()``, or the view re-pointed or re-shaped in place; a
   view that is no longer exact is made anew) makes the step take the bucket's gradients
@@ -52,105 +53,37 @@ kept per bucket, and checked by one C loop per step (``_C.flat_check``):
   did) and launches on the table, on CUDA kept in device memory (csrc/bindings.h).
 The rest of the step (state, statistics, clipping, the atomic validation) is the same
 for both kinds of bucket; only where the gradients are read from differs.
-
-Note [Fused state coherence]
-``optimizer.state`` and ``param_groups`` are the truth, as in every torch optimizer; the
-buckets are a cache derived from them (a ``FusedPlan``). The plan records what it was
-derived from: the identities of the param_groups list, of each group dict and of each
-fused group's parameter list and parameters, the ``fused_step``/``amsgrad``/
-``master_weights`` flags, the identity of the state mapping and of every (key, value) in
-it, of every item of the state entry of a fused parameter, the dtype, device, shape and
-strides of every fused parameter, and what every state view in the entries is (its
-storage, offset, dtype, sizes and strides, Note [Exact views] in csrc/module.cpp:
-``view.data = t`` or ``view.t_()`` keeps the view object but changes what it shows).
-Before every step,
-``FusedPlan.is_current`` compares all of it: a few Python checks per param group and
-loops over pointers in C on all of torch's threads (``_C.unchanged``, Note [Checks on all
-threads] in csrc/module.cpp), a few milliseconds for 20,000 parameters and their 60,000
-state views, bound by the memory latency of reading each object once. Any difference, whatever made it (``load_state_dict`` of ours, torch's or
-ZeroRedundancyOptimizer's, ``state.clear()``, ``opt.state = defaultdict(dict)``,
-``opt.state[p] = {...}``, ``del opt.state[p]``, a replaced state tensor, a parameter
-replaced, added or removed in a group, ``p.data = ...`` with another shape, a toggled
-``amsgrad`` or ``fused_step``), makes the step derive the plan again (``derive``):
-
-1. Decide and validate everything, writing nothing: which buckets are kept (the same
-   parameters in the same order with the same shapes, devices and scopes, and an AMSGrad
-   buffer where the group needs one) and which are built anew, and for each fused
-   parameter what its state entry is:
-   - absent or empty: no state; the parameter gets fresh zero state at its next step
-     with a gradient, as in torch (its slot is zeroed then);
-   - exactly the views of its own slot: nothing to do;
-   - anything else (loaded tensors, a user's, views of another slot or of an old
-     bucket): checked to be torch.optim.AdamW's state for this parameter (keys, shapes,
-     floating dtypes, a valid step counter), to be copied into the slot.
-   A parameter with state whose shape changed is an error, as in torch; so are a state
-   entry that is not AdamW's, a duplicate parameter and a parameter the kernel cannot take.
-2. Commit: copy the adopted values into their slots (sources that share memory with a
-   kept bucket are cloned first, so that swapping two entries works), put the slot's
-   views into each adopted entry (in place: the entry dict stays the user's object), and
-   record the new plan.
-A rejected derivation writes nothing and raises, and so does the step that asked for it.
-Only identities are compared, never values: an in-place write into a state view
-(``state[p]["exp_avg"].zero_()``, ``state[p]["step"].fill_(0)``) is a write into the
-bucket itself and needs nothing. The views are checked as facts (Note [Exact views]), not
-through a proxy such as the buffer's sharing count, which another tensor kept on the
-buffer defeats; the cost is one TensorImpl read per view, in the same prefetched C loop.
-DTensor state views (FSDP2) are checked by identity. A tensor taken out of ``optimizer.state`` may still
-share memory with the slot it came from (adoption copies in place rather than doubling
-the memory of the bucket).
 """
 
 from __future__ import annotations
 
-from collections import defaultdict
-from collections.abc import Mapping, MutableMapping
-
 import torch
 
 from . import _C, ops
-from ._build import check_device
-from ._generic import local
-from ._validate import (
-    BLOCK_8BIT,
-    EIGHT_BIT_KEYS,
+from ._build import BLOCK_8BIT
+from ._common import (
     MASTER_KEY,
     STATE_KEYS,
-    blocks_8bit,
-    check_8bit,
-    check_state_entry,
     codes_key,
     is_dense,
-    moment_format,
+    local,
+    own,
     pair_keys,
     scales_key,
 )
-from .distributed import LOCAL, scope_of
+from ._state8bit import (
+    blocks_8bit,
+    moment_code,
+    moment_values,
+    slot_numel,
+    wrap_scales,
+)
+from ._validate import check_flat_grad_dtype
+from .distributed import LOCAL
 from .stats_plan import MAX_ROWS, StatsPlan, row_pieces
 
 _ALIGN = 16  # elements: 64-byte aligned slices (FP32; 128 bytes for FP64, 32 for BF16)
 _HALF_DTYPES = (torch.float16, torch.bfloat16)
-STATE_PRECISIONS = ("fp32", "bf16", "8bit")
-# Note [8-bit buckets]
-# With state_precision="8bit" a parameter of at least ``min_8bit_size`` elements (a group
-# option, 4,096 by default; the whole parameter's count, so that every rank of a sharded
-# one decides alike) keeps its moments as
-# blockwise 8-bit codes (Note [8-bit moments] in csrc/quant8.h): its bucket's moment
-# buffers are uint8 codes, every slot starting a block, and one FP32 buffer ``scales``
-# holds each moment's scales in turn, one per block (a storage apart from the codes:
-# torch.save refuses two dtypes over one storage). Smaller parameters (biases, norms: a sliver of the memory,
-# and the ones whose few blocks quantize worst) keep FP32 moments in a bucket of their
-# own, as bitsandbytes' (its ``min_8bit_size``) and torchao's 8-bit optimizers do below
-# 4,096 elements. The state entries hold each moment as a codes/scales pair (Note [8-bit
-# state entries] in ruda_torch/_validate.py).
-MIN_8BIT_SIZE = 4096
-
-
-def bucket_precision(p: torch.Tensor, group: dict) -> str:
-    """The moment storage of ``p``'s bucket in ``group`` (Note [8-bit buckets])."""
-    precision = group.get("state_precision", "fp32")
-    if precision == "8bit" and p.numel() < group.get("min_8bit_size", MIN_8BIT_SIZE):
-        return "fp32"
-    return precision
 
 
 def state_dtype_of(param_dtype: torch.dtype, precision: str) -> torch.dtype:
@@ -159,15 +92,6 @@ def state_dtype_of(param_dtype: torch.dtype, precision: str) -> torch.dtype:
     if param_dtype == torch.float64:
         return torch.float64
     return {"bf16": torch.bfloat16, "8bit": torch.uint8}.get(precision, torch.float32)
-
-
-def _moment_code(key: str) -> str:
-    """The 8-bit code of a moment (ops.CODES_8BIT): signed for the first, unsigned for the
-    squares."""
-    return "signed" if key == "exp_avg" else "unsigned"
-
-
-FUSED_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 
 
 class Bucket:
@@ -196,7 +120,7 @@ class Bucket:
         # Scales per slot with 8-bit moments: the blocks of the local slice, or of the
         # largest shard of a DTensor (Note [8-bit DTensor state]).
         self.blocks = [
-            blocks_8bit(_slot_numel(p, t)) if self.eight_bit else 0
+            blocks_8bit(slot_numel(p, t)) if self.eight_bit else 0
             for p, t in zip(params, self.locals, strict=True)
         ]
         offsets, total = [], 0
@@ -270,7 +194,7 @@ class Bucket:
     @property
     def managed_keys(self) -> tuple[str, ...]:
         """The state keys whose values live in this bucket: each moment under its own
-        name, or as its 8-bit pair (Note [8-bit state entries] in _validate.py)."""
+        name, or as its 8-bit pair (Note [8-bit state entries] in ruda_torch/_state8bit.py)."""
         if self.eight_bit:
             keys = list(pair_keys(self.moments))
         else:
@@ -318,21 +242,21 @@ class Bucket:
     def _pair(self, key: str, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Slot i of 8-bit moment ``key`` as 1-D tensors of their own: its codes in slot
         order and its scales (Note [8-bit buckets])."""
-        codes = _own(getattr(self, key), self.offsets[i], (self.locals[i].numel(),))
+        codes = own(getattr(self, key), self.offsets[i], (self.locals[i].numel(),))
         return codes, self._scales(key, i)
 
     def _scales(self, key: str, i: int) -> torch.Tensor:
         run = STATE_KEYS.index(key) * (self.capacity // BLOCK_8BIT)
-        return _own(self.scales, run + self.offsets[i] // BLOCK_8BIT, (self.blocks[i],))
+        return own(self.scales, run + self.offsets[i] // BLOCK_8BIT, (self.blocks[i],))
 
     def _own_slice(self, buf: torch.Tensor, i: int) -> torch.Tensor:
         """Slot i of a flat buffer as a tensor of its own (not a view in autograd's sense),
         laid out like the kernel steps the parameter: its strides when dense, contiguous
         when staged. What the state and the flat gradients hold (Note [Tensors of their
-        own] in csrc/module.cpp)."""
+        own] in csrc/py_records.h)."""
         t = self.locals[i]
         stride = None if i in self.staged else t.stride()
-        return _own(buf, self.offsets[i], t.shape, stride)
+        return own(buf, self.offsets[i], t.shape, stride)
 
     def _grad_view(self, i: int) -> torch.Tensor:
         """Slot i of the flat gradient buffer (_own_slice: its own version counter too)."""
@@ -342,7 +266,7 @@ class Bucket:
 
     def _exact_view(self, i: int) -> torch.Tensor:
         """grad_views[i], made again (and the handle with it) when it is no longer exactly
-        the view of slot i (Note [Exact views] in csrc/module.cpp): ``p.grad.data = t``,
+        the view of slot i (Note [Exact views] in csrc/py_records.h): ``p.grad.data = t``,
         ``set_``, ``t_()``, ``resize_``, a new dtype all change the view object itself."""
         view = self.grad_views[i]
         if _C.view_record([view]) != self.grad_facts[i]:
@@ -463,7 +387,7 @@ class Bucket:
             if self.eight_bit:
                 self._write_8bit(i, key, values)
                 continue
-            src = _moment_values(values, key)
+            src = moment_values(values, key)
             if src is None:
                 self._slice(buf, i).zero_()
             else:
@@ -481,10 +405,10 @@ class Bucket:
         src_codes = values.get(codes_key(key))
         if src_codes is not None and _same_layout(src_codes, self._laid_out(codes, i)):
             src_scales = values[scales_key(key)].reshape(-1)[: self.blocks[i]]
-            codes.copy_(_own(src_codes, 0, (src_codes.numel(),)))
+            codes.copy_(own(src_codes, 0, (src_codes.numel(),)))
             scales.zero_()[: src_scales.numel()].copy_(src_scales)
             return
-        src = _moment_values(values, key)
+        src = moment_values(values, key)
         if src is None:
             codes.zero_()
             scales.zero_()
@@ -493,21 +417,21 @@ class Bucket:
         self._laid_out(staging, i).copy_(local(src))
         scales.zero_()
         used = scales[: blocks_8bit(codes.numel())]
-        code = ops.CODES_8BIT.index(_moment_code(key))
+        code = ops.CODES_8BIT.index(moment_code(key))
         torch.ops.ruda_torch.quantize_8bit(staging, codes, used, code)
 
     def own_views(self, i: int, with_max: bool) -> dict:
         """The state values of slot i, as install() puts them into an entry: tensors of
-        their own over the slot (Note [Tensors of their own] in csrc/module.cpp)."""
+        their own over the slot (Note [Tensors of their own] in csrc/py_records.h)."""
         p = self.params[i]
-        views = {"step": _own(self.steps, i, ())}
+        views = {"step": own(self.steps, i, ())}
         for key in self.moments:
             if key == "max_exp_avg_sq" and not with_max:
                 continue
             buf = getattr(self, key)
             if self.eight_bit:
                 views[codes_key(key)] = _wrap_like(self._own_slice(buf, i), p)
-                views[scales_key(key)] = _wrap_scales(self._scales(key, i), p)
+                views[scales_key(key)] = wrap_scales(self._scales(key, i), p)
             else:
                 views[key] = _wrap_like(self._own_slice(buf, i), p)
         if self.master is not None:
@@ -516,14 +440,14 @@ class Bucket:
 
     def install(self, i: int, entry, views: dict) -> None:
         """Put own_views(i) into ``entry`` (a state dict entry, mutated in place), without
-        the other form of its moments (Note [8-bit state entries] in _validate.py)."""
+        the other form of its moments (Note [8-bit state entries] in ruda_torch/_state8bit.py)."""
         entry.update(views)
         for key in self.foreign_keys:
             entry.pop(key, None)
         if self.views[i] is None:
             self.n_with_state += 1
         self.views[i], self.entries[i] = views, entry
-        # Note [Exact views] in csrc/module.cpp: what owns() compares.
+        # Note [Exact views] in csrc/py_records.h: what owns() compares.
         self.facts[i] = {
             k: _C.view_record([v]) for k, v in views.items() if type(v) is torch.Tensor
         }
@@ -571,136 +495,12 @@ def _same(a, b) -> bool:
     return a is b
 
 
-def _own(
-    buf: torch.Tensor, offset: int, shape: torch.Size | tuple, stride: tuple | None = None
-) -> torch.Tensor:
-    """A tensor of its own over ``buf``'s memory from element ``offset`` (Note [Tensors of
-    their own] in csrc/module.cpp): contiguous when ``stride`` is None."""
-    t = torch.empty(0, dtype=buf.dtype, device=buf.device)
-    if stride is None:
-        return t.set_(buf.untyped_storage(), buf.storage_offset() + offset, shape)
-    return t.set_(buf.untyped_storage(), buf.storage_offset() + offset, shape, stride)
-
-
-def _moment_values(values: dict, key: str) -> torch.Tensor | None:
-    """Moment ``key`` of an adopted entry's (local) values as a tensor of values shaped
-    like the parameter: the tensor itself, or its 8-bit pair decoded (FP32), or None."""
-    if key in values:
-        return values[key]
-    codes = values.get(codes_key(key))
-    if codes is None:
-        return None
-    n = codes.numel()
-    decoded = torch.empty(n, dtype=torch.float32, device=codes.device)
-    scales = values[scales_key(key)].reshape(-1)[: blocks_8bit(n)]
-    ops.dequantize_8bit(_own(codes, 0, (n,)), scales, _moment_code(key), out=decoded)
-    return decoded.as_strided(codes.shape, codes.stride())  # the codes' memory order
-
-
-def dequantize_state_dict(state_dict: dict) -> dict:
-    """An optimizer state dict with every 8-bit moment (``state_precision="8bit"``, Note
-    [8-bit state entries] in ruda_torch/_validate.py) replaced by its FP32 values under
-    torch's name, shaped and laid out like its codes: torch.optim.AdamW's format, which
-    torch's AdamW (and ours with any ``state_precision``) loads. Everything else is shared
-    with the input, which is not modified. DTensor entries (an FSDP2 sharded state dict)
-    are converted shard by shard, into DTensors with the codes' placements."""
-    if not isinstance(state_dict, Mapping) or not isinstance(state_dict.get("state"), Mapping):
-        raise ValueError(
-            "dequantize_state_dict takes an optimizer state dict (a dict with 'state' and "
-            f"'param_groups', as optimizer.state_dict() returns), got {type(state_dict).__name__}"
-        )
-    return dequantize_entries(state_dict)
-
-
-def dequantize_entries(state_dict: dict, only: set | None = None) -> dict:
-    """dequantize_state_dict for the entries of the parameter indices in ``only`` (all by
-    default)."""
-    state = {}
-    for index, entry in state_dict["state"].items():
-        if (
-            (only is not None and index not in only)
-            or not isinstance(entry, Mapping)
-            or not any(k in entry for k in EIGHT_BIT_KEYS)
-        ):
-            state[index] = entry
-            continue
-        where = f"state_dict['state'][{index!r}]"
-        new = {k: v for k, v in entry.items() if k == "step"}
-        for key in STATE_KEYS:
-            if moment_format(entry, key, where) == "8bit":
-                codes = entry[codes_key(key)]
-                check_8bit(entry, codes, key, where)  # against the codes' own shape
-                new[key] = _decoded(codes, entry[scales_key(key)], key)
-        new.update((k, v) for k, v in entry.items() if k not in new and k not in EIGHT_BIT_KEYS)
-        state[index] = new
-    return {**state_dict, "state": state}
-
-
-def _decoded(codes: torch.Tensor, scales: torch.Tensor, key: str) -> torch.Tensor:
-    values = _moment_values({codes_key(key): local(codes), scales_key(key): local(scales)}, key)
-    if not hasattr(codes, "device_mesh"):
-        return values
-    from torch.distributed.tensor import DTensor
-
-    return DTensor.from_local(values, codes.device_mesh, codes.placements, run_check=False,
-                              shape=codes.shape, stride=codes.stride())  # fmt: skip
-
-
 def _same_layout(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Equal shapes and equal strides on every dimension of size > 1 (Note [Dense
     layouts] in csrc/bindings.cpp): the same element at each memory position."""
     return a.shape == b.shape and all(
         n <= 1 or x == y for n, x, y in zip(a.shape, a.stride(), b.stride(), strict=True)
     )
-
-
-# Note [8-bit DTensor state]
-# An 8-bit moment of a DTensor parameter (FSDP2, HSDP, tensor parallel) is a codes DTensor
-# with the parameter's mesh and placements around the local codes, and a scales DTensor
-# of shape (m_1, ..., m_k, B): one row of B scales per shard, m_j the mesh size along
-# dimension j where the parameter is sharded (Shard(j) there) and 1 where it is
-# replicated (Replicate there). B is the block count of the largest shard (ceil-divided
-# sizes, torch.chunk's), so that every rank's local scales have one shape; a smaller
-# shard's row ends in zeros. The blocks follow each rank's local memory order, which only
-# the same sharding reproduces: distributed checkpoints (DCP) of this state load exactly
-# on the same mesh, and a different number of ranks changes (m_1, ..., m_k), which DCP
-# refuses as a size mismatch instead of loading scales of other blocks.
-def _slot_numel(p: torch.Tensor, t: torch.Tensor) -> int:
-    """The elements a slot reserves for ``p`` (local ``t``): the largest shard's for a
-    DTensor (Note [8-bit DTensor state])."""
-    if not hasattr(p, "device_mesh"):
-        return t.numel()
-    shape = list(p.shape)
-    for j, placement in enumerate(p.placements):
-        if placement.is_shard():
-            d = placement.dim
-            shape[d] = -(-shape[d] // p.device_mesh.size(j))
-    largest = 1
-    for n in shape:
-        largest *= n
-    if t.numel() > largest:
-        raise ValueError(
-            f"a DTensor parameter of shape {tuple(p.shape)} with placements {p.placements} has "
-            f"a local shard of {t.numel()} elements, more than the {largest} of ceil-divided "
-            "shards that 8-bit moments reserve: use state_precision='bf16' or 'fp32' for it"
-        )
-    return largest
-
-
-def _wrap_scales(scales: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
-    """The scales of an 8-bit moment as the entry holds them: the 1-D tensor itself, or
-    for a DTensor parameter a DTensor of one row per shard (Note [8-bit DTensor state])."""
-    if not hasattr(p, "device_mesh"):
-        return scales
-    from torch.distributed.tensor import DTensor, Replicate, Shard
-
-    mesh = p.device_mesh
-    sharded = [pl.is_shard() for pl in p.placements]
-    shape = (*(mesh.size(j) if s else 1 for j, s in enumerate(sharded)), scales.numel())
-    placements = [Shard(j) if s else Replicate() for j, s in enumerate(sharded)]
-    local_rows = scales.view(*(1 for _ in sharded), scales.numel())
-    return DTensor.from_local(local_rows, mesh, placements, run_check=False, shape=shape,
-                              stride=torch.empty(shape, device="meta").stride())  # fmt: skip
 
 
 def _wrap_like(local_view: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
@@ -713,332 +513,3 @@ def _wrap_like(local_view: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
     return DTensor.from_local(
         local_view, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride()
     )
-
-
-def check_fused_param(p, gi: int, j: int, group=None, built: bool = True) -> None:
-    """What the kernel needs of a parameter; a non-tensor is left to torch's own error.
-    ``built=False`` (construction): a meta parameter is accepted, as torch's fused path
-    does, so that an optimizer can be built before the model is materialized; the step
-    checks the device."""
-    if not isinstance(p, torch.Tensor):
-        return
-    where = f"param group {gi} parameter {j}"
-    if p.dtype not in FUSED_DTYPES:
-        raise ValueError(
-            f"fused_step=True supports float32, float64, float16 and bfloat16 parameters; "
-            f"{where} is {p.dtype}. Use fused_step=False for this group"
-        )
-    if group is not None and p.dtype == torch.float16 and group.get("stochastic_rounding"):
-        raise ValueError(
-            f"stochastic_rounding=True is implemented for bfloat16 parameters; {where} is "
-            "float16. Use master_weights=True for float16 parameters"
-        )
-    if group is not None and p.dtype == torch.float64:
-        check_precision(group, where, p.dtype)
-    if group is not None and group.get("flat_grads"):
-        check_flat_param(p, where)
-    t = local(p)
-    if t.is_meta and not built:
-        return
-    if t.is_meta:
-        raise RuntimeError(
-            f"{where} is on the meta device, which holds no values to step: materialize the "
-            "model (e.g. model.to_empty(device=...) and initialize it) before optimizer.step()"
-        )
-    check_device(t.device, "ruda_torch.AdamW(fused_step=True)")
-
-
-def check_precision(group: dict, where: str, dtype: torch.dtype) -> None:
-    """Low-precision moments are for FP32, FP16 and BF16 parameters (FP64 ones keep FP64
-    moments, Note [Parameter dtypes])."""
-    precision = group.get("state_precision", "fp32")
-    if precision != "fp32":
-        raise ValueError(
-            f"state_precision={precision!r} is for float32, float16 and bfloat16 parameters; "
-            f"{where} is {dtype} (FP64 moments): use state_precision='fp32' for its group"
-        )
-
-
-def check_flat_param(p: torch.Tensor, where: str) -> None:
-    """flat_grads=True makes ``p.grad`` a view of the bucket's buffer: for plain tensors
-    and nn.Parameters, whose gradients autograd accumulates in place."""
-    if getattr(p, "_is_flat_param", False):
-        raise ValueError(
-            f"flat_grads=True: {where} is an FSDP FlatParameter, whose gradient FSDP "
-            "replaces after every reduce-scatter; it is already one flat gradient per FSDP "
-            "unit, so flat_grads adds nothing: pass flat_grads=False (docs/usage.md)"
-        )
-    if hasattr(p, "device_mesh"):
-        raise ValueError(
-            f"flat_grads=True: {where} is a DTensor (FSDP2 / tensor parallel), whose gradient "
-            "FSDP2 writes as a new sharded tensor at every backward; pass flat_grads=False "
-            "(docs/usage.md)"
-        )
-    if type(p) not in (torch.Tensor, torch.nn.Parameter):
-        raise ValueError(
-            f"flat_grads=True takes torch.Tensor and nn.Parameter parameters; {where} is a "
-            f"{type(p).__name__}. Use flat_grads=False for its group"
-        )
-    check_flat_grad_dtype(p, where)
-
-
-def check_flat_grad_dtype(p: torch.Tensor, where: str) -> None:
-    """A flat view holds a gradient in the parameter's dtype: a ``grad_dtype`` of its own
-    (torch 2.13+) would refuse it. Checked at construction and, since torch lets a
-    parameter whose gradient was cleared take another grad_dtype, before a step or
-    zero_grad() puts a view back (Bucket.replaced_grads), before anything is written."""
-    grad_dtype = getattr(p, "grad_dtype", p.dtype)
-    if grad_dtype is not None and grad_dtype != p.dtype:
-        raise ValueError(
-            f"flat_grads=True: {where} ({p.dtype}) has grad_dtype={grad_dtype}, but the flat "
-            "gradient buffer holds gradients in the parameters' dtype: pass flat_grads=False "
-            "for its group (or set its grad_dtype to None or its dtype)"
-        )
-
-
-def check_group_options(group: dict, gi) -> None:
-    """The param-group options of the fused path that depend on each other."""
-    where = "" if gi is None else f" (param group {gi})"
-    if group.get("master_weights") and group.get("stochastic_rounding"):
-        raise ValueError(
-            f"master_weights=True and stochastic_rounding=True exclude each other{where}: the "
-            "master keeps the exact value, stochastic rounding is the way to go without one"
-        )
-    if (
-        group.get("master_weights") or group.get("stochastic_rounding") or group.get("flat_grads")
-    ) and not group.get("fused_step"):
-        raise ValueError(
-            f"master_weights, stochastic_rounding and flat_grads require fused_step=True{where} "
-            "(they are options of the native fused path)"
-        )
-    precision = group.get("state_precision", "fp32")
-    if precision not in STATE_PRECISIONS:
-        raise ValueError(
-            f"state_precision must be one of {STATE_PRECISIONS}{where}, got {precision!r}"
-        )
-    if precision != "fp32" and not group.get("fused_step"):
-        raise ValueError(
-            f"state_precision={precision!r} requires fused_step=True{where} (low-precision "
-            "moments are stored and rounded by the native fused kernel)"
-        )
-    size = group.get("min_8bit_size", MIN_8BIT_SIZE)
-    if isinstance(size, bool) or not isinstance(size, int) or size < 0:
-        raise ValueError(
-            f"min_8bit_size must be a non-negative int{where} (parameters with fewer elements "
-            f"keep FP32 moments under state_precision='8bit'), got {size!r}"
-        )
-    if group.get("state_rounding", "stochastic") not in ops.STATE_ROUNDINGS:
-        raise ValueError(
-            f"state_rounding must be one of {ops.STATE_ROUNDINGS}{where}, got "
-            f"{group.get('state_rounding')!r}"
-        )
-    seed = group.get("rounding_seed", 0)
-    if isinstance(seed, bool) or not isinstance(seed, int):
-        raise ValueError(f"rounding_seed must be an int{where}, got {type(seed).__name__} {seed!r}")
-    if not -(2**63) <= seed < 2**64:
-        raise ValueError(
-            f"rounding_seed must be a 64-bit value (-2**63 <= seed < 2**64){where}, got {seed}: "
-            "the kernels hash its 64 bits, so a larger value would be reduced silently"
-        )
-
-
-def check_bucket_options(group: dict, gi: int, buckets: list) -> None:
-    """What check_fused_param checks of a group's options per parameter dtype, per bucket
-    (one dtype each): run before every step, where the options may have changed."""
-    if group.get("stochastic_rounding") and any(b.dtype == torch.float16 for b in buckets):
-        raise ValueError(
-            f"stochastic_rounding=True is implemented for bfloat16 parameters; param group "
-            f"{gi} has float16 parameters. Use master_weights=True for float16 parameters"
-        )
-    if any(b.dtype == torch.float64 for b in buckets):
-        check_precision(group, f"param group {gi}", torch.float64)
-
-
-def check_no_duplicates(params: list, gi: int) -> None:
-    """A step would update a listed-twice parameter twice: refused when the step's plan
-    is made (torch.optim warns at construction, see AdamW.add_param_group)."""
-    seen: dict[int, int] = {}
-    for j, p in enumerate(params):
-        first = seen.setdefault(id(p), j)
-        if first != j:
-            raise ValueError(
-                f"param group {gi} lists the same parameter twice (positions {first} and {j}); "
-                "fused_step=True steps each parameter once per step: remove the duplicate"
-            )
-
-
-class FusedPlan:
-    """The buckets of every fused param group, and what they were derived from (Note
-    [Fused state coherence])."""
-
-    def __init__(self, groups: list[tuple[int, dict, list[Bucket]]]):
-        self.groups = groups  # (group index, group dict, its buckets)
-        self.buckets = [b for _, _, bs in groups for b in bs]
-        self.spare: list[Bucket] = []  # buckets of groups out of param_groups (derive)
-
-    def record(self, opt) -> None:
-        """Remember what is_current() compares; called after every change that the
-        optimizer itself makes to the state (derive, fresh state in a step)."""
-        self._param_groups = opt.param_groups
-        self._group_dicts = list(opt.param_groups)
-        self._flags = [_flags(g) for g in opt.param_groups]
-        self._state = opt.state
-        containers = [opt.state]
-        expected = [x for item in opt.state.items() for x in item]
-        counts = [len(expected)]  # items of `expected` per container
-        tensors, views = [], []
-        for _, group, buckets in self.groups:
-            containers.append(group["params"])
-            expected.extend(group["params"])
-            counts.append(len(group["params"]))
-            for b in buckets:
-                tensors.extend(b.params)
-                for entry, mine in zip(b.entries, b.views, strict=True):
-                    if entry is not None:
-                        containers.append(entry)
-                        expected.extend(x for item in entry.items() for x in item)
-                        counts.append(2 * len(entry))
-                        views.extend(v for v in mine.values() if type(v) is torch.Tensor)
-        self._params_lists = [g["params"] for _, g, _ in self.groups]
-        shapes = torch.tensor(_C.layout_record(tensors), dtype=torch.int64)
-        facts = torch.tensor(_C.view_record(views), dtype=torch.int64)
-        counts = torch.tensor(counts, dtype=torch.int64)
-        self._check = (containers, counts, expected, tensors, shapes, views, facts)
-
-    def is_current(self, opt) -> bool:
-        groups = opt.param_groups
-        if (
-            opt.state is not self._state
-            or len(groups) != len(self._group_dicts)
-            or not all(map(_same, groups, self._group_dicts))
-            or [_flags(g) for g in groups] != self._flags
-            or not all(
-                g["params"] is lst
-                for (_, g, _), lst in zip(self.groups, self._params_lists, strict=True)
-            )
-        ):
-            return False
-        return _C.unchanged(*self._check)
-
-
-def _flags(group: dict) -> tuple:
-    return (
-        bool(group.get("fused_step")),
-        bool(group.get("amsgrad")),
-        bool(group.get("master_weights")),
-        bool(group.get("flat_grads")),
-        group.get("state_precision", "fp32"),
-        group.get("min_8bit_size", MIN_8BIT_SIZE),
-    )
-
-
-def split_group(opt, gi: int, group: dict, needs_global: bool) -> list:
-    """The buckets' parameters of a fused group: (scope, moment precision, parameters,
-    their positions) per device, dtype, scope and precision (Note [8-bit buckets]) (Note [Scopes]: one group may mix placements), in order of
-    first appearance, after checking every parameter; writes nothing."""
-    params = group["params"]
-    check_group_options(group, gi)
-    for j, p in enumerate(params):
-        check_fused_param(p, gi, j, group)
-        if opt.hierarchical_stats and p.dtype == torch.float64:
-            raise ValueError(
-                f"hierarchical_stats=True reads FP32, FP16 and BF16 gradients; param group {gi} "
-                f"parameter {j} is float64 (FP64 gradients). Use max_grad_norm without "
-                "hierarchical_stats for FP64 models"
-            )
-    check_no_duplicates(params, gi)
-    by_key: dict = {}
-    for j, p in enumerate(params):
-        scope = scope_of(p, opt.process_group, needs_global, f"param group {gi} parameter {j}",
-                         opt.partition_group)  # fmt: skip
-        precision = bucket_precision(p, group)
-        key = (local(p).device, p.dtype, scope, precision)
-        by_key.setdefault(key, (scope, precision, [], []))
-        by_key[key][2].append(p)
-        by_key[key][3].append(j)
-    return list(by_key.values())
-
-
-def derive(opt, previous: FusedPlan | None, needs_global: bool) -> FusedPlan:
-    """A plan for the current ``param_groups`` and ``state`` (Note [Fused state
-    coherence]); validates everything before the first write."""
-    state = opt.state
-    kept: dict[tuple, Bucket] = {}
-    if previous is not None:
-        # The buckets of the previous plan, and those of groups that a swapped param_groups
-        # left out (Note [Swapped param_groups] in optimizer.py): kept while a state entry
-        # still holds their views, so they cost no memory the state does not hold anyway.
-        for b in (*previous.spare, *previous.buckets):
-            kept[tuple(map(id, b.params))] = b
-    groups = []
-    adopt = []  # (bucket, slot, parameter, entry, step counter, whether to view the maximum)
-    forget = []  # (bucket, slot)
-    reused: list[Bucket] = []
-    owner: dict[int, int] = {}  # parameter id -> the fused group that lists it
-    for gi, group in enumerate(opt.param_groups):
-        if not group.get("fused_step"):
-            continue
-        for p in group["params"]:
-            first = owner.setdefault(id(p), gi)
-            if first != gi:
-                raise ValueError(
-                    f"a parameter appears in param groups {first} and {gi}; every parameter "
-                    "belongs to one group (torch's add_param_group enforces this too)"
-                )
-        amsgrad = bool(group["amsgrad"])
-        master = bool(group.get("master_weights"))
-        flat = bool(group.get("flat_grads"))
-        buckets = []
-        for scope, precision, ps, js in split_group(opt, gi, group, needs_global):
-            b = kept.pop(tuple(map(id, ps)), None)
-            if b is not None and b.can_serve(ps, scope, amsgrad, master, flat, precision):
-                reused.append(b)
-            else:
-                b = Bucket(ps, amsgrad, scope, master, flat, precision)
-            buckets.append(b)
-            for i, (p, j) in enumerate(zip(ps, js, strict=True)):
-                where = f"optimizer.state of param group {gi} parameter {j}"
-                entry = state.get(p)
-                if not entry:
-                    if b.views[i] is not None:
-                        forget.append((b, i))
-                    continue
-                if b.owns(i, entry):
-                    continue
-                step = check_state_entry(entry, p, where)
-                if not isinstance(entry, MutableMapping):
-                    entry = dict(entry)
-                with_max = amsgrad or moment_format(entry, "max_exp_avg_sq", where) is not None
-                adopt.append((b, i, p, entry, step, with_max))
-        groups.append((gi, group, buckets))
-
-    # Commit: nothing above wrote anything.
-    if not isinstance(state, defaultdict):  # a user's plain mapping: torch's code needs [] too
-        state = opt.state = defaultdict(dict, state)
-    kept_memory = {buf.untyped_storage().data_ptr() for b in reused for buf in b.buffers}
-    staged = []
-    for b, i, p, entry, step, with_max in adopt:
-        values = {}
-        for key in (*STATE_KEYS, *EIGHT_BIT_KEYS, MASTER_KEY):
-            value = entry.get(key)
-            if isinstance(value, torch.Tensor):
-                value = local(value)
-                if value.untyped_storage().data_ptr() in kept_memory:
-                    value = value.clone()
-                values[key] = value
-        staged.append((b, i, p, entry, step, values, with_max))
-    for b, i in forget:
-        b.forget(i)
-    for b, i, _, _, step, values, _ in staged:
-        b.write_slot(i, step, values)
-    # All new tensors first, one after another, then into the entries (whose old values
-    # are freed there): Note [Tensors of their own] in csrc/module.cpp.
-    made = [b.own_views(i, with_max) for b, i, _, _, _, _, with_max in staged]
-    for (b, i, p, entry, _, _, _), views in zip(staged, made, strict=True):
-        b.install(i, entry, views)
-        if state.get(p) is not entry:
-            state[p] = entry
-    plan = FusedPlan(groups)
-    plan.spare = [b for b in kept.values() if b.holds_state(state)]
-    plan.record(opt)
-    return plan

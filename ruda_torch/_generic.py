@@ -1,4 +1,4 @@
-"""The generic path (``fused_step=False``): SPEC section 1 with torch tensor operations,
+"""The generic path (``fused_step=False``): docs/design.md section 1 with torch tensor operations,
 one parameter at a time, on any device and dtype torch supports (FP64, 16-bit and
 complex parameters included). No host sync: skip and bias corrections are computed from
 device values."""
@@ -7,17 +7,8 @@ from __future__ import annotations
 
 import torch
 
-from ._validate import STATE_KEYS, check_required_keys, step_value
-
-_PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
-
-
-def local(t: torch.Tensor) -> torch.Tensor:
-    """The local shard of a DTensor, or the tensor itself (fast for plain tensors)."""
-    if type(t) in _PLAIN_TYPES:
-        return t
-    to_local = getattr(t, "to_local", None)
-    return to_local() if to_local is not None else t
+from ._common import STATE_KEYS, local
+from ._validate import check_required_keys, step_value
 
 
 def check_generic(group_index: int, indexed: list, grads: list) -> None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from . import _C, ops
-from ._generic import local
+from ._common import local
 from .distributed import Scope, fold_over, globalize_report, globalize_sum
 from .stats_plan import StatsPlan
 

@@ -8,6 +8,15 @@ from collections.abc import Mapping
 
 import torch
 
+from ._common import (
+    EIGHT_BIT_KEYS,
+    MASTER_KEY,
+    REQUIRED_KEYS,
+    STATE_KEYS,
+    check_shape,
+)
+from ._state8bit import check_8bit, moment_format
+
 
 def check_hyperparameters(lr, betas, eps, weight_decay, read_values: bool = True) -> None:
     """torch.optim.AdamW's checks, with its messages. A Tensor lr (one element, as torch
@@ -63,21 +72,6 @@ def check_max_grad_norm(value):
     return float(value)
 
 
-def check_process_group(group, name: str = "process_group") -> None:
-    """``None`` or a registered ``torch.distributed.ProcessGroup``."""
-    if group is None:
-        return
-    import torch.distributed as dist
-
-    if not (dist.is_available() and isinstance(group, dist.ProcessGroup)):
-        raise TypeError(
-            f"{name} must be a torch.distributed.ProcessGroup or None, got {type(group).__name__}"
-        )
-    from .distributed import ranks_of
-
-    ranks_of(group, name)  # registered, and torch.distributed still initialized
-
-
 # Note [Step counter range] in csrc/adamw_math.h: what the kernels do with counters that
 # only the device can see; everything that enters from the host is checked here.
 def step_value(value, where: str) -> float:
@@ -103,63 +97,6 @@ def step_value(value, where: str) -> float:
             "(the number of updates applied)"
         )
     return number
-
-
-STATE_KEYS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
-# The FP32 master copy of a 16-bit parameter (master_weights; Note [Master weights] in
-# ruda_torch/_fused.py). torch.optim.AdamW carries it along as an unknown key.
-MASTER_KEY = "master_param"
-REQUIRED_KEYS = ("step", "exp_avg", "exp_avg_sq")
-
-# Note [8-bit state entries]
-# A moment stored in 8 bits (state_precision="8bit", Note [8-bit moments] in
-# csrc/quant8.h) is not a tensor of values: it is a pair, `<moment>_codes` (uint8, shaped
-# like the parameter, laid out in memory as the kernel steps it) and `<moment>_scales`
-# (FP32, one per block of 256 codes in the codes' memory order), in place of `<moment>`.
-# The names differ from torch's on purpose: torch.optim.AdamW casts every state tensor
-# it loads to the parameter's dtype, so codes under torch's name would load there as
-# values 0..255 and step silently wrong; under their own names torch's step stops with
-# KeyError 'exp_avg' instead, and ruda_torch.dequantize_state_dict converts.
-BLOCK_8BIT = 256
-
-
-def codes_key(key: str) -> str:
-    return key + "_codes"
-
-
-def scales_key(key: str) -> str:
-    return key + "_scales"
-
-
-def pair_keys(moments) -> tuple[str, ...]:
-    """The keys of the 8-bit pairs of ``moments``, in order."""
-    return tuple(k for key in moments for k in (codes_key(key), scales_key(key)))
-
-
-EIGHT_BIT_KEYS = pair_keys(STATE_KEYS)
-
-
-def blocks_8bit(numel: int) -> int:
-    return -(-numel // BLOCK_8BIT)
-
-
-def moment_format(entry, key: str, where: str) -> str | None:
-    """How ``entry`` holds moment ``key``: ``"plain"`` (a tensor of values), ``"8bit"``
-    (Note [8-bit state entries]) or None (absent). Raises for half a pair, or both forms."""
-    pair = (codes_key(key), scales_key(key))
-    has = [k in entry for k in pair]
-    if has[0] != has[1]:
-        present, missing = pair if has[0] else pair[::-1]
-        raise ValueError(
-            f"{where} has {present!r} without {missing!r}: an 8-bit moment is the pair "
-            f"{pair[0]!r} (uint8 codes) and {pair[1]!r} (float32 block scales)"
-        )
-    if has[0] and key in entry:
-        raise ValueError(
-            f"{where} holds both {key!r} and its 8-bit form {pair[0]!r}/{pair[1]!r}: keep one "
-            f"(delete the other), so that the step knows which is the moment"
-        )
-    return "8bit" if has[0] else "plain" if key in entry else None
 
 
 def check_required_keys(entry, where: str, eight_bit: bool = True) -> dict:
@@ -192,67 +129,9 @@ def _check_values(value, p: torch.Tensor, key: str, where: str) -> None:
             f"{where}[{key!r}] must be a floating tensor with values, got "
             f"{value.dtype}{' on meta' if value.is_meta else ''}"
         )
-    _check_shape(value, p, key, where)
+    check_shape(value, p, key, where)
     if value.is_complex() != p.is_complex():
         raise ValueError(f"{where}[{key!r}] is {value.dtype} for a {p.dtype} parameter")
-
-
-def _check_shape(value: torch.Tensor, p: torch.Tensor, key: str, where: str) -> None:
-    if tuple(value.shape) != tuple(p.shape):
-        raise ValueError(
-            f"{where}[{key!r}] has shape {tuple(value.shape)} but its parameter has shape "
-            f"{tuple(p.shape)}; a parameter's state must keep its shape (reset it with "
-            "optimizer.state[p] = {} to start afresh)"
-        )
-
-
-def check_8bit(entry, p: torch.Tensor, key: str, where: str) -> None:
-    """The pair of Note [8-bit state entries]: uint8 codes shaped like ``p`` whose local
-    tensor is dense (its memory order defines the blocks), and FP32 scales with one value
-    per block of the local codes (at least one: a DTensor's local scales are padded to
-    the largest shard's blocks, Note [8-bit DTensor state] in ruda_torch/_fused.py)."""
-    from ._generic import local
-
-    ck, sk = codes_key(key), scales_key(key)
-    codes, scales = entry[ck], entry[sk]
-    for k, v in ((ck, codes), (sk, scales)):
-        if not isinstance(v, torch.Tensor) or v.is_meta:
-            got = "a meta tensor" if isinstance(v, torch.Tensor) else type(v).__name__
-            raise ValueError(f"{where}[{k!r}] must be a tensor with values, got {got}")
-    if codes.dtype != torch.uint8:
-        raise ValueError(f"{where}[{ck!r}] must be uint8 (8-bit codes), got {codes.dtype}")
-    if scales.dtype != torch.float32:
-        raise ValueError(f"{where}[{sk!r}] must be float32 (block scales), got {scales.dtype}")
-    _check_shape(codes, p, ck, where)
-    lc, ls = local(codes), local(scales)
-    if not is_dense(lc):
-        raise ValueError(
-            f"{where}[{ck!r}] is not dense (strides {lc.stride()}): the blocks of 8-bit codes "
-            "follow their memory order, which a view with gaps does not have"
-        )
-    need = blocks_8bit(lc.numel())
-    padded = ls is not scales  # a DTensor's local scales
-    if not ls.is_contiguous() or ls.numel() < need or (not padded and ls.numel() != need):
-        raise ValueError(
-            f"{where}[{sk!r}] must be a contiguous float32 tensor of {need} scale(s), one per "
-            f"block of {BLOCK_8BIT} codes, got shape {tuple(ls.shape)}"
-        )
-
-
-def is_dense(t: torch.Tensor) -> bool:
-    """Whether ``t``'s elements fill one gap-free range of memory without overlap
-    (at::Tensor::is_non_overlapping_and_dense, which Python does not expose): contiguous,
-    or a permutation of a contiguous layout (Note [Dense layouts] in csrc/bindings.cpp)."""
-    if t.is_contiguous():
-        return True
-    expected = 1
-    for stride, size in sorted(
-        (st, n) for n, st in zip(t.shape, t.stride(), strict=True) if n != 1
-    ):
-        if stride != expected:
-            return False
-        expected *= size
-    return True
 
 
 def check_state_entry(entry, p: torch.Tensor, where: str, eight_bit: bool = True) -> float:
@@ -272,3 +151,64 @@ def check_state_entry(entry, p: torch.Tensor, where: str, eight_bit: bool = True
     if MASTER_KEY in entry:
         _check_values(entry[MASTER_KEY], p, MASTER_KEY, where)
     return step_value(entry["step"], where)
+
+
+def check_flat_param(p: torch.Tensor, where: str) -> None:
+    """flat_grads=True makes ``p.grad`` a view of the bucket's buffer: for plain tensors
+    and nn.Parameters, whose gradients autograd accumulates in place."""
+    if getattr(p, "_is_flat_param", False):
+        raise ValueError(
+            f"flat_grads=True: {where} is an FSDP FlatParameter, whose gradient FSDP "
+            "replaces after every reduce-scatter; it is already one flat gradient per FSDP "
+            "unit, so flat_grads adds nothing: pass flat_grads=False (docs/usage.md)"
+        )
+    if hasattr(p, "device_mesh"):
+        raise ValueError(
+            f"flat_grads=True: {where} is a DTensor (FSDP2 / tensor parallel), whose gradient "
+            "FSDP2 writes as a new sharded tensor at every backward; pass flat_grads=False "
+            "(docs/usage.md)"
+        )
+    if type(p) not in (torch.Tensor, torch.nn.Parameter):
+        raise ValueError(
+            f"flat_grads=True takes torch.Tensor and nn.Parameter parameters; {where} is a "
+            f"{type(p).__name__}. Use flat_grads=False for its group"
+        )
+    check_flat_grad_dtype(p, where)
+
+
+def check_flat_grad_dtype(p: torch.Tensor, where: str) -> None:
+    """A flat view holds a gradient in the parameter's dtype: a ``grad_dtype`` of its own
+    (torch 2.13+) would refuse it. Checked at construction and, since torch lets a
+    parameter whose gradient was cleared take another grad_dtype, before a step or
+    zero_grad() puts a view back (Bucket.replaced_grads), before anything is written."""
+    grad_dtype = getattr(p, "grad_dtype", p.dtype)
+    if grad_dtype is not None and grad_dtype != p.dtype:
+        raise ValueError(
+            f"flat_grads=True: {where} ({p.dtype}) has grad_dtype={grad_dtype}, but the flat "
+            "gradient buffer holds gradients in the parameters' dtype: pass flat_grads=False "
+            "for its group (or set its grad_dtype to None or its dtype)"
+        )
+
+
+def check_no_duplicates(params: list, gi: int) -> None:
+    """A step would update a listed-twice parameter twice: refused when the step's plan
+    is made (torch.optim warns at construction, see AdamW.add_param_group)."""
+    seen: dict[int, int] = {}
+    for j, p in enumerate(params):
+        first = seen.setdefault(id(p), j)
+        if first != j:
+            raise ValueError(
+                f"param group {gi} lists the same parameter twice (positions {first} and {j}); "
+                "fused_step=True steps each parameter once per step: remove the duplicate"
+            )
+
+
+def check_stats_dtype(dtype: torch.dtype, gi: int, j: int | None = None) -> None:
+    """The statistics read FP32 and 16-bit gradients (``j``: the parameter, where known)."""
+    if dtype == torch.float64:
+        what = "has float64 parameters" if j is None else f"parameter {j} is float64"
+        raise ValueError(
+            f"hierarchical_stats=True reads FP32, FP16 and BF16 gradients; param group {gi} "
+            f"{what} (FP64 gradients). Use max_grad_norm without hierarchical_stats for FP64 "
+            "models"
+        )

@@ -21,6 +21,7 @@ import torch
 from torch.amp.grad_scaler import OptState
 
 from . import _C
+from .optimizer import AdamW
 
 __all__ = ["GradScaler"]
 
@@ -30,8 +31,6 @@ class GradScaler(torch.amp.GradScaler):
     Note [One gradient pass under GradScaler]."""
 
     def step(self, optimizer, *args, **kwargs):
-        from .optimizer import AdamW
-
         if not (self._enabled and isinstance(optimizer, AdamW) and optimizer.hierarchical_stats):
             return super().step(optimizer, *args, **kwargs)
         if "closure" in kwargs or args:

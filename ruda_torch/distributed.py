@@ -65,6 +65,18 @@ def ranks_of(group, what: str = "process group") -> tuple[int, ...]:
         ) from e
 
 
+def check_process_group(group, name: str = "process_group") -> None:
+    """``None`` or a registered ``torch.distributed.ProcessGroup``."""
+    if group is None:
+        return
+    dist = _dist()
+    if not (dist.is_available() and isinstance(group, dist.ProcessGroup)):
+        raise TypeError(
+            f"{name} must be a torch.distributed.ProcessGroup or None, got {type(group).__name__}"
+        )
+    ranks_of(group, name)  # registered, and torch.distributed still initialized
+
+
 def _size(group) -> int:
     return _dist().get_world_size(group)
 

@@ -1,4 +1,4 @@
-"""Low-level, out-of-place AdamW step (SPEC section 5).
+"""Low-level, out-of-place AdamW step (docs/design.md section 5).
 
 ``adamw_step`` runs the same native kernel as ``ruda_torch.AdamW(fused_step=True)`` on
 one FP32 master tensor, but writes into freshly allocated outputs: three FP32 tensors

@@ -8,7 +8,8 @@ from __future__ import annotations
 import torch
 
 from . import _C, _build  # noqa: F401  (loading _C registers the schemas)
-from ._validate import BLOCK_8BIT
+from ._build import BLOCK_8BIT
+from ._common import STATE_ROUNDINGS
 
 _ops = torch.ops.ruda_torch
 
@@ -183,9 +184,6 @@ def _lr_args(lr, lr_tensor):
     ):
         lr_tensor = lr_tensor.to(torch.float64)
     return lr, lr_tensor
-
-
-STATE_ROUNDINGS = ("stochastic", "nearest")
 
 
 def rounding_code(stochastic_rounding: bool, state_rounding: str, state_dtype) -> int:

@@ -1,10 +1,10 @@
-"""FP64 reference of the ruda_torch update (SPEC section 1): the oracle for tests.
+"""FP64 reference of the ruda_torch update (docs/design.md section 1): the oracle for tests.
 
 This module is the explicitly invoked reference that tests, fixtures and benchmarks
 compare the native kernels against. It is deliberately slow and simple: every input is
-copied to a CPU FP64 tensor and the formula is evaluated term by term, exactly as SPEC
-section 1 writes it. The optimizer never calls it, and it imports nothing but torch, so
-it runs before (and without) the native extension being built.
+copied to a CPU FP64 tensor and the formula is evaluated term by term, exactly as
+docs/design.md section 1 writes it. The optimizer never calls it, and it imports nothing
+but torch, so it runs before (and without) the native extension being built.
 
 For one-based step ``t = step + 1`` and every element::
 
@@ -147,7 +147,7 @@ def adamw_reference(
     clip_coef: float = 1.0,
     decoupled: bool = True,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor | None, Tensor]:
-    """One AdamW / AMSGrad step of SPEC section 1 in FP64, out of place.
+    """One AdamW / AMSGrad step of docs/design.md section 1 in FP64, out of place.
 
     Args:
         param: parameter values, any float dtype and shape.
@@ -211,7 +211,7 @@ def adamw_reference(
 def global_norm_reference(
     grads: Tensor | Iterable[Tensor], gradient_scale: float = 1.0
 ) -> tuple[float, float, int]:
-    """FP64 gradient statistics of SPEC section 2 over the unscaled gradients.
+    """FP64 gradient statistics of docs/design.md section 2 over the unscaled gradients.
 
     The unscaled gradient is ``stored / gradient_scale`` (each tensor converted exactly
     to FP64 first). Non-finite elements (NaN, +-inf) are counted and excluded from the

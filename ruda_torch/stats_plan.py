@@ -6,8 +6,8 @@ import torch
 
 from . import _build, ops
 
-FAN_IN = 1024
-MAX_ROWS = 4_194_304  # FAN_IN ** 2 * 4: at most two intermediate levels
+FAN_IN = _build.MERGE_FAN_IN  # the merge kernel's (kMergeFanIn), 1024
+MAX_ROWS = FAN_IN**2 * 4  # at most two intermediate levels: 4,194,304
 ROW_WIDTH = 3  # [sum_of_squares, max_abs, nonfinite_count]
 
 

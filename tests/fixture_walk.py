@@ -136,7 +136,7 @@ def walk_case(case: dict, step_fn: StepFn, *, gradient_scale: float = 1.0) -> No
 
 
 def fp32_step_fn(case: dict, mistake: str | None = None) -> StepFn:
-    """SPEC section 1 in FP32 for walk_case, one correctly rounded operation at a time,
+    """docs/design.md section 1 in FP32 for walk_case, one correctly rounded operation at a time,
     in the operation order of csrc/adamw_math.h; optionally with one `mistake` (see
     tests/test_tolerances.py). It checks the tolerance table without the extension,
     and the CPU kernel must reproduce it bit for bit (tests/test_fixtures.py).

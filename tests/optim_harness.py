@@ -52,7 +52,7 @@ class Closeness:
 # Note [Optimizer-level tolerance]
 # ruda_torch and torch.optim.AdamW (single-tensor, or fused on CPU) evaluate the same FP32
 # formula in different operation orders (torch: lerp for m, sqrt(v) / sqrt(1 - beta2^t)
-# with the bias correction in FP64 on the host; SPEC section 1: sqrt(v / bc2) with bc2
+# with the bias correction in FP64 on the host; docs/design.md section 1: sqrt(v / bc2) with bc2
 # cast once to FP32). Each is within 1-2 FP32 ulps of the exact step (tests/tolerances.py
 # measures that against the FP64 reference), and the differences do not amplify over
 # steps (the moments do not depend on the parameters; weight decay contracts). Measured

@@ -1,4 +1,4 @@
-"""Exact checks, never proxies (Note [Exact views] in csrc/module.cpp): whatever legal
+"""Exact checks, never proxies (Note [Exact views] in csrc/py_records.h): whatever legal
 sequence of calls changes a flat gradient view or a state view, the next step sees it,
 side by side with torch.optim.AdamW doing the same calls.
 
@@ -439,7 +439,7 @@ def test_float64_clip_coefficient_is_float64(options):
 
 class _TaggedParameter(nn.Parameter):
     """A parameter subclass: the checks' worker threads leave it to the calling thread
-    (Note [Checks on all threads] in csrc/module.cpp)."""
+    (Note [Checks on all threads] in csrc/py_checks.cpp)."""
 
 
 @pytest.mark.parametrize("flat", [False, True], ids=["gathered", "flat"])
@@ -494,7 +494,7 @@ def test_checks_on_all_threads_see_every_change_among_many_parameters(flat):
 @pytest.mark.parametrize("flat", [False, True], ids=["gathered", "flat"])
 def test_state_values_are_tensors_of_their_own_as_torchs(flat):
     """The state values (and the flat gradients) are tensors of their own over the
-    bucket's memory (Note [Tensors of their own] in csrc/module.cpp): no ``_base`` and the
+    bucket's memory (Note [Tensors of their own] in csrc/py_records.h): no ``_base`` and the
     layout of torch's, at the first step and after a load; writes through them reach the
     next step as torch's do."""
     model = _model()

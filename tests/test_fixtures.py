@@ -136,8 +136,8 @@ def test_power_of_two_gradient_scale_is_exact(case):
 
 @pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
 def test_cpu_kernel_is_correctly_rounded_fp32(case):
-    # SPEC section 2: no FMA contraction, correctly rounded division and square root.
-    # Then the kernel reproduces, bit for bit, SPEC section 1 evaluated one correctly
+    # docs/design.md section 2: no FMA contraction, correctly rounded division and square root.
+    # Then the kernel reproduces, bit for bit, docs/design.md section 1 evaluated one correctly
     # rounded FP32 operation at a time in csrc/adamw_math.h's order; a contracted
     # a*b+c, a reciprocal-multiply or an approximate square root changes some bits. This
     # is what lets CPU tests speak for the GPU (Note [One math, two backends]).
@@ -149,5 +149,5 @@ def test_cpu_kernel_is_correctly_rounded_fp32(case):
 @pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
 def test_cuda_matches_cpu_bit_for_bit(case):
     # One math header for both backends, no FMA contraction, correctly rounded division
-    # and square root (SPEC section 2): the same inputs give the same bits.
+    # and square root (docs/design.md section 2): the same inputs give the same bits.
     _same_bits(_native_step_fn(case, "cpu"), _native_step_fn(case, "cuda"), case)

@@ -461,7 +461,7 @@ def test_placements_by_meaning(tmp_path):
 
 
 def check_8bit_layout(rank: int, workdir: str, layout_name: str) -> None:
-    """8-bit moments on a mesh (Note [8-bit DTensor state] in ruda_torch/_fused.py): every
+    """8-bit moments on a mesh (Note [8-bit DTensor state] in ruda_torch/_state8bit.py): every
     parameter's codes are a DTensor with its placements, its scales one row per shard;
     every rank takes the same skip and clip decisions, and the model stays within the
     codes' error of the FP32 moments' run."""

@@ -74,7 +74,7 @@ def same_bits(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
 
 @dataclass(frozen=True)
 class Config:
-    """One optimizer configuration; the defaults are ruda_torch's (SPEC section 1)."""
+    """One optimizer configuration; the defaults are ruda_torch's (docs/design.md section 1)."""
 
     id: str
     lr: float = 1e-3
@@ -1266,7 +1266,7 @@ def test_check_adamw_scaled_accepts_good_arguments_and_writes_nothing():
 
 
 def test_meta_tensor_among_cpu_arguments_is_an_error():
-    # SPEC section 2: no silent fallback to another backend. One meta tensor among CPU
+    # docs/design.md section 2: no silent fallback to another backend. One meta tensor among CPU
     # arguments must not send the whole call to the fake (meta) kernel, which does
     # nothing: that would be a step silently not taken.
     call = Call()

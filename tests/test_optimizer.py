@@ -1,4 +1,4 @@
-"""ruda_torch.AdamW as a drop-in for torch.optim.AdamW (SPEC section 4).
+"""ruda_torch.AdamW as a drop-in for torch.optim.AdamW (docs/design.md section 4).
 
 Both paths (``fused_step=False``, the tensor-operation path, and ``fused_step=True``, the
 native kernel on flat buckets), and groups mixing them, are trained side by side with
@@ -56,7 +56,7 @@ TWO_GROUPS = next(c for c in CASES if c.id == "two-groups")
 @pytest.fixture(autouse=True)
 def _one_thread():
     """One intra-op thread: the CPU kernels give the same bits at any thread count
-    (SPEC section 2; test_thread_count_does_not_change_bits checks it), and on a
+    (docs/design.md section 2; test_thread_count_does_not_change_bits checks it), and on a
     shared 2-core machine waking the thread pool for these tiny buckets costs
     milliseconds per step."""
     with num_threads(1):

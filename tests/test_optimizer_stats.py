@@ -1,4 +1,4 @@
-"""ruda_torch.AdamW's gradient statistics and clipping (SPEC sections 2-4).
+"""ruda_torch.AdamW's gradient statistics and clipping (docs/design.md sections 2-4).
 
 ``hierarchical_stats=True`` computes one 12-byte report ``[sum_of_squares, max_abs,
 nonfinite_count]`` of the unscaled gradients of every active parameter before any update;

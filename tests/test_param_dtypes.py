@@ -253,7 +253,7 @@ def test_stochastic_rounding_of_random_updates_brackets_the_fp32_result():
 @pytest.mark.parametrize("amsgrad", [False, True], ids=["adamw", "amsgrad"])
 @pytest.mark.parametrize("n", SIZES)
 def test_float64_update_is_fp64_math(n, amsgrad):
-    """FP64 parameters, moments and gradients: the FP64 reference (SPEC section 1 in
+    """FP64 parameters, moments and gradients: the FP64 reference (docs/design.md section 1 in
     FP64) within the FP64-vs-FP64 row of the tolerance table."""
     gen = _gen("fp64", n, amsgrad)
     param = torch.randn(n, generator=gen, dtype=torch.float64)

@@ -314,7 +314,7 @@ def test_fixture_file_layout():
     }
     for case in cases:
         hyper = case["hyperparameters"]
-        # Differ from both torch's defaults and SPEC section 1's, so no term is untested.
+        # Differ from both torch's defaults and docs/design.md section 1's, so no term is untested.
         assert hyper["lr"] != 1e-3 and hyper["eps"] not in (1e-8, 1e-5)
         assert hyper["weight_decay"] not in (0.0, 1e-2, 1e-4)
         assert tuple(hyper["betas"]) != (0.9, 0.999)

@@ -1,5 +1,5 @@
 """state_precision="8bit" in the optimizer: blockwise 8-bit moments (Note [8-bit buckets]
-in ruda_torch/_fused.py, Note [8-bit state entries] in ruda_torch/_validate.py).
+in ruda_torch/_state8bit.py, Note [8-bit state entries] in ruda_torch/_state8bit.py).
 
 The oracle of a step is the algorithm itself, composed of parts tested on their own
 (tests/test_quant8.py: the codec against the FP64 reference, the fused 8-bit kernel
@@ -20,7 +20,7 @@ from torch import nn
 
 import ruda_torch
 from ruda_torch import ops
-from ruda_torch._validate import EIGHT_BIT_KEYS, codes_key, scales_key
+from ruda_torch._common import EIGHT_BIT_KEYS, codes_key, scales_key
 
 MOMENTS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
 

@@ -1,6 +1,6 @@
 """The gradient-statistics operators and the reduction plan, on the CPU kernels.
 
-- ``StatsPlan``: the worked values of SPEC section 3 and the rejected row counts.
+- ``StatsPlan``: the worked values of docs/design.md section 3 and the rejected row counts.
 - ``analyze_gradient``, ``merge_gradient_stats``, ``merge_gradient_stats_chunks``:
   bitwise against a NumPy FP32 emulation of Note [Canonical reduction order]
   (csrc/grad_stats.h), written here from the Note alone, and close to FP64 statistics.
@@ -49,10 +49,10 @@ ROW_MAX_RTOL = 2 * 2.0**-24
 # lane, then the tree). sqrt halves the relative error of the sum. The worst case of the
 # recursive-summation argument is (2 + 128 + 5 + 4 + 8) / 2 * 2**-24 ~ 4.4e-6, reached
 # only when every rounding errs the same way; rounding errors of random signs stay far
-# below it (measured up to ~7e-8), and SPEC's acceptance figure is 2e-6.
+# below it (measured up to ~7e-8), and design.md's acceptance figure is 2e-6.
 NORM_RTOL = 2e-6
 # 8M elements, 2048 rows: two merge levels (a worst case of ~4.8e-6 by the same
-# argument; measured up to ~7e-8), SPEC's
+# argument; measured up to ~7e-8), design.md's
 # acceptance figure for the multi-level case is 1e-5.
 NORM_RTOL_TWO_LEVELS = 1e-5
 
@@ -736,7 +736,7 @@ def test_bad_inputs_rejected_and_nothing_changed(make, breaker, message):
 
 
 def test_meta_tensor_among_cpu_arguments_is_an_error():
-    # SPEC section 2: no silent fallback to another backend. A meta grad_scale among CPU
+    # docs/design.md section 2: no silent fallback to another backend. A meta grad_scale among CPU
     # arguments must not send the call to the fake (meta) kernel, which writes nothing.
     rows = torch.full((1, 3), 7.0)
     with pytest.raises(RuntimeError, match=r"grad_scale.*(cpu|meta)"):

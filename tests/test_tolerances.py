@@ -1,6 +1,6 @@
 """The tolerance table is neither too loose nor too tight.
 
-A plain FP32 evaluation of SPEC section 1 (fixture_walk.fp32_step_fn: every operation
+A plain FP32 evaluation of docs/design.md section 1 (fixture_walk.fp32_step_fn: every operation
 correctly rounded, as the kernels do) must pass the fixture checks of
 tests/test_fixtures.py, and the same evaluation with one classic mistake must fail
 them. This runs without the native extension, so the tolerances are validated before

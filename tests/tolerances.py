@@ -30,7 +30,7 @@ not oblige us to be perfect too. The floor is 1 unit (1-2 ulps).
 Closeness to torch itself follows: by the triangle inequality
 |ours - torch| <= error(ours) + error(torch) <= (factor + 1) * max(error(torch), floor).
 
-What the factor buys: SPEC section 1 evaluated one correctly rounded FP32 operation at
+What the factor buys: docs/design.md section 1 evaluated one correctly rounded FP32 operation at
 a time in csrc/adamw_math.h's order (which is, bit for bit, what the CPU kernel
 computes) stays within 1.1 units per step and 2.0 units after 5 chained steps on the
 fixture cases, against torch's 1.0 and 1.9 (torch's CPU square root is not correctly
@@ -77,8 +77,8 @@ class Tolerance:
 
 
 _ONE_STEP = (
-    "one step from identical FP32 inputs: each implementation's rounding of SPEC section "
-    "1 is 1-2 ulps and the two order their operations differently"
+    "one step from identical FP32 inputs: each implementation's rounding of docs/design.md "
+    "section 1 is 1-2 ulps and the two order their operations differently"
 )
 _CHAIN = (
     "several chained steps (5 in the fixtures), each implementation on its own state: "

@@ -1,0 +1,86 @@
+"""The package's leaf: helpers and names every other module uses (it imports torch only,
+so that the modules' imports form a DAG): the local shard of a tensor, dense layouts, the
+state entries' keys and the option values that several modules check."""
+
+from __future__ import annotations
+
+import torch
+
+_PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """The local shard of a DTensor, or the tensor itself (fast for plain tensors)."""
+    if type(t) in _PLAIN_TYPES:
+        return t
+    to_local = getattr(t, "to_local", None)
+    return to_local() if to_local is not None else t
+
+
+def is_dense(t: torch.Tensor) -> bool:
+    """Whether ``t``'s elements fill one gap-free range of memory without overlap
+    (at::Tensor::is_non_overlapping_and_dense, which Python does not expose): contiguous,
+    or a permutation of a contiguous layout (Note [Dense layouts] in csrc/bindings.cpp)."""
+    if t.is_contiguous():
+        return True
+    expected = 1
+    for stride, size in sorted(
+        (st, n) for n, st in zip(t.shape, t.stride(), strict=True) if n != 1
+    ):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+# ---- state entries: torch.optim.AdamW's keys, ours beside them
+
+STATE_KEYS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
+# The FP32 master copy of a 16-bit parameter (master_weights; Note [Master weights] in
+# ruda_torch/_fused.py). torch.optim.AdamW carries it along as an unknown key.
+MASTER_KEY = "master_param"
+REQUIRED_KEYS = ("step", "exp_avg", "exp_avg_sq")
+
+
+# The keys of an 8-bit moment's pair (Note [8-bit state entries] in ruda_torch/_state8bit.py).
+def codes_key(key: str) -> str:
+    return key + "_codes"
+
+
+def scales_key(key: str) -> str:
+    return key + "_scales"
+
+
+def pair_keys(moments) -> tuple[str, ...]:
+    """The keys of the 8-bit pairs of ``moments``, in order."""
+    return tuple(k for key in moments for k in (codes_key(key), scales_key(key)))
+
+
+EIGHT_BIT_KEYS = pair_keys(STATE_KEYS)
+
+# ---- option values checked in more than one module (docs/usage.md has their meaning)
+
+STATE_PRECISIONS = ("fp32", "bf16", "8bit")
+STATE_ROUNDINGS = ("stochastic", "nearest")
+# state_precision="8bit": parameters with fewer elements keep FP32 moments.
+MIN_8BIT_SIZE = 4096
+
+
+def own(
+    buf: torch.Tensor, offset: int, shape: torch.Size | tuple, stride: tuple | None = None
+) -> torch.Tensor:
+    """A tensor of its own over ``buf``'s memory from element ``offset`` (Note [Tensors of
+    their own] in csrc/py_records.h): contiguous when ``stride`` is None."""
+    t = torch.empty(0, dtype=buf.dtype, device=buf.device)
+    if stride is None:
+        return t.set_(buf.untyped_storage(), buf.storage_offset() + offset, shape)
+    return t.set_(buf.untyped_storage(), buf.storage_offset() + offset, shape, stride)
+
+
+def check_shape(value: torch.Tensor, p: torch.Tensor, key: str, where: str) -> None:
+    if tuple(value.shape) != tuple(p.shape):
+        raise ValueError(
+            f"{where}[{key!r}] has shape {tuple(value.shape)} but its parameter has shape "
+            f"{tuple(p.shape)}; a parameter's state must keep its shape (reset it with "
+            "optimizer.state[p] = {} to start afresh)"
+        )
