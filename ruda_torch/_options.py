@@ -138,9 +138,29 @@ def check_precision(group: dict, where: str, dtype: torch.dtype) -> None:
         )
 
 
+# Our on/off options of the fused path: True or False, nothing that merely tests true (a
+# string such as "remainder" taken as True would be a different master than asked for).
+FLAGS = ("master_weights", "stochastic_rounding", "flat_grads")
+
+
+def check_flags(group: dict, where: str) -> None:
+    for key in FLAGS:
+        value = group.get(key, False)
+        if isinstance(value, bool):
+            continue
+        if key == "master_weights" and value == "remainder":
+            raise ValueError(
+                f"master_weights='remainder'{where} (a 2-byte remainder of the FP32 master) is "
+                "not available in this version of ruda_torch: use master_weights=True (an FP32 "
+                "master, 4 bytes per parameter) or False"
+            )
+        raise ValueError(f"{key} must be True or False{where}, got {value!r}")
+
+
 def check_group_options(group: dict, gi) -> None:
     """The param-group options of the fused path that depend on each other."""
     where = "" if gi is None else f" (param group {gi})"
+    check_flags(group, where)
     if group.get("master_weights") and group.get("stochastic_rounding"):
         raise ValueError(
             f"master_weights=True and stochastic_rounding=True exclude each other{where}: the "

@@ -78,7 +78,8 @@ class AdamW(Optimizer):
         master_weights (bool, default False): for FP16/BF16 parameters of a fused group,
             keep an FP32 master copy (``state[p]["master_param"]``) that the kernel
             updates, writing the parameter rounded to nearest even from it in the same
-            pass (Note [Master weights]). A param-group option.
+            pass (Note [Master weights]). A param-group option; ``True`` or ``False`` (any
+            other value is a ValueError, as for stochastic_rounding and flat_grads).
         flat_grads (bool, default False): for a fused group, make every ``p.grad`` a view
             of one flat gradient buffer per bucket, laid out like the state, which
             backward accumulates into in place; ``zero_grad()`` fills the buffer with

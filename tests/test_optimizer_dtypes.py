@@ -109,6 +109,29 @@ def test_options_that_exclude_each_other_are_rejected():
         ruda_torch.AdamW([p], fused_step=True, stochastic_rounding=True, rounding_seed=1.5)
 
 
+@pytest.mark.parametrize("key", ["master_weights", "stochastic_rounding", "flat_grads"])
+@pytest.mark.parametrize("value", ["remainder", "yes", 1, None])
+def test_flags_take_true_or_false_only(key, value):
+    """A value that only tests true (a string, 1) is not taken as True, at construction,
+    add_param_group and the step; the step refuses before any write."""
+    p = nn.Parameter(torch.randn(300, dtype=torch.bfloat16))
+    p.grad = torch.randn_like(p)
+    msg = "not available in this version" if (key, value) == ("master_weights", "remainder") else (
+        f"{key} must be True or False")  # fmt: skip
+    with pytest.raises(ValueError, match=msg):
+        ruda_torch.AdamW([p], fused_step=True, **{key: value})
+    opt = ruda_torch.AdamW([p], fused_step=True)
+    q = nn.Parameter(torch.randn(5, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match=msg):
+        opt.add_param_group({"params": [q], key: value})
+    assert len(opt.param_groups) == 1
+    opt.param_groups[0][key] = value
+    before = p.detach().clone()
+    with pytest.raises(ValueError, match=msg):
+        opt.step()
+    assert torch.equal(p, before) and not opt.state
+
+
 def test_stochastic_rounding_is_reproducible_and_differs_from_nearest():
     def run(**kw):
         ps = _params(torch.bfloat16, seed=3)
