@@ -195,6 +195,21 @@ bool kernel_layout(const at::Tensor& p, const at::Tensor& g) {
   return true;
 }
 
+// A record as a Python list of int; null with a Python error set when out of memory.
+PyObject* int_list(const std::vector<int64_t>& out) {
+  PyObject* list = PyList_New(static_cast<Py_ssize_t>(out.size()));
+  if (list == nullptr) return nullptr;
+  for (size_t k = 0; k < out.size(); ++k) {
+    PyObject* item = PyLong_FromLongLong(out[k]);
+    if (item == nullptr) {
+      Py_DECREF(list);
+      return nullptr;
+    }
+    PyList_SET_ITEM(list, static_cast<Py_ssize_t>(k), item);
+  }
+  return list;
+}
+
 }  // namespace
 
 // layout_record(tensors) -> list[int]: append_layout() of each, concatenated.
@@ -210,12 +225,7 @@ PyObject* layout_record(PyObject*, PyObject* tensors) {
       return nullptr;
     }
   }
-  PyObject* list = PyList_New(static_cast<Py_ssize_t>(out.size()));
-  if (list == nullptr) return nullptr;
-  for (size_t k = 0; k < out.size(); ++k) {
-    PyList_SET_ITEM(list, static_cast<Py_ssize_t>(k), PyLong_FromLongLong(out[k]));
-  }
-  return list;
+  return int_list(out);
 }
 
 // view_record(tensors) -> list[int]: per tensor, append_view() then append_layout()
@@ -238,12 +248,7 @@ PyObject* view_record(PyObject*, PyObject* tensors) {
       return nullptr;
     }
   }
-  PyObject* list = PyList_New(static_cast<Py_ssize_t>(out.size()));
-  if (list == nullptr) return nullptr;
-  for (size_t k = 0; k < out.size(); ++k) {
-    PyList_SET_ITEM(list, static_cast<Py_ssize_t>(k), PyLong_FromLongLong(out[k]));
-  }
-  return list;
+  return int_list(out);
 }
 
 // unchanged(containers, counts, expected, tensors, shapes, views, facts) -> bool

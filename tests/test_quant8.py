@@ -370,6 +370,39 @@ def test_8bit_step_is_the_fp32_step_on_decoded_moments(amsgrad, param_dtype, mas
             q.copy_(p)
 
 
+@pytest.mark.parametrize("amsgrad", [False, True], ids=["adamw", "amsgrad"])
+def test_8bit_step_decodes_every_code_as_the_fp32_step_does(amsgrad):
+    """Every block holds each of the 256 codes once (in a random order per block), with
+    scales from 2^-60 to 2^10: the step's decoding of every code (subnormal codes, the
+    largest ones, signed zero's absence) is the decoding of unpack_8bit, and its coding the
+    coding of quantize_8bit, bit for bit (the CPU kernel decodes and codes in vector lanes
+    inside its update loop, Note [One pass per 8-bit block] in csrc/cpu/kernels/adamw_cpu.cpp)."""
+    sizes = [97, 1025, 4096, 16385]
+    params, grads, state, offsets = _bucket_8bit(sizes, amsgrad, seed=7)
+    gen = torch.Generator().manual_seed(8)
+    for key in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq"):
+        packed = state[key]
+        if packed is None:
+            continue
+        capacity = packed.numel() // (BLOCK + 4) * BLOCK
+        blocks = capacity // BLOCK
+        perms = torch.stack([torch.randperm(BLOCK, generator=gen) for _ in range(blocks)])
+        packed[:capacity] = perms.reshape(-1).to(torch.uint8)
+        exponents = torch.randint(-60, 11, (blocks,), generator=gen).float()
+        packed[capacity:].view(torch.float32)[:] = torch.rand(blocks, generator=gen).add(1) * (
+            2.0**exponents
+        )
+    ref_params = [p.clone() for p in params]
+    ref = _decoded(state)
+    _step(ref_params, grads, ref)
+    want = _requantized(ref, offsets, sizes, state)
+    _step(params, grads, state)
+    for p, q in zip(params, ref_params, strict=True):
+        assert torch.equal(p.view(torch.int32), q.view(torch.int32))
+    for key, packed in want.items():
+        assert torch.equal(state[key], packed), key
+
+
 def test_8bit_step_skipped_writes_nothing():
     params, grads, state, _ = _bucket_8bit([1025, 97], amsgrad=True)
     before = {k: v.clone() for k, v in state.items() if isinstance(v, torch.Tensor)}
