@@ -5,6 +5,7 @@ Variants (each steps its own copy of the same parameters and gradients):
     torch_fused    torch.optim.AdamW(fused=True) on the parameters (moments in their dtype)
     ours           ruda_torch.AdamW(fused_step=True): FP32 math, FP32 moments
     ours_master    ... with master_weights=True (FP16/BF16)
+    ours_remainder ... with master_weights="remainder" (BF16): the same master in 2 bytes
     ours_sr        ... with stochastic_rounding=True (BF16)
     torch_fp32     torch's fused step on FP32 copies (what a model kept in FP32 costs)
     copy           b.copy_(a) on FP32 buffers of the same element count: the machine's
@@ -51,6 +52,8 @@ def traffic(variant: str, dtype: torch.dtype) -> int:
     base = 2 * b + b + 4 * state  # read p, g; write p; read+write m, v
     if variant == "ours_master":
         base += 2 * 4  # read + write the FP32 master
+    if variant == "ours_remainder":
+        base += 2 * 2  # read + write the int16 remainder
     return base
 
 
@@ -68,7 +71,8 @@ def make_variant(name: str, dtype, sizes, grads32, lr_kwargs):
         opt = torch.optim.AdamW(params, **lr_kwargs, fused=True)
     else:
         opt = ruda_torch.AdamW(
-            params, **lr_kwargs, fused_step=True, master_weights=name == "ours_master",
+            params, **lr_kwargs, fused_step=True,
+            master_weights={"ours_master": True, "ours_remainder": "remainder"}.get(name, False),
             stochastic_rounding=name == "ours_sr",
         )  # fmt: skip
     return opt.step
@@ -97,7 +101,7 @@ def main(argv=None) -> int:
     if dtype in (torch.float16, torch.bfloat16):
         names.append("ours_master")
     if dtype == torch.bfloat16:
-        names.append("ours_sr")
+        names += ["ours_remainder", "ours_sr"]
     names += ["torch_fp32", "copy"]
     steps = {}
     for name in names:

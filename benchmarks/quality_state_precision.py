@@ -14,6 +14,20 @@ same initialization, batches and learning-rate schedule for every optimizer:
   torch              torch.optim.AdamW (FP32 moments)
   torchao_8bit       torchao.optim.AdamW8bit (where torchao is installed)
 
+and with the model's parameters in BF16 (forward, backward and gradients in BF16 too):
+
+  bf16p_torch        torch.optim.AdamW(fused=True) on the BF16 parameters (no master)
+  bf16p_rounded      ruda_torch.AdamW(fused_step=True), no master (FP32 moments)
+  bf16p_master       master_weights=True (an FP32 master)
+  bf16p_remainder    master_weights="remainder" (the same master in 2 bytes)
+  bf16p_remainder_8bit  master_weights="remainder", state_precision="8bit" (8.03 bytes
+                     per parameter with gradient)
+
+For the BF16 runs a checksum of the parameters' bits after every step is kept, and the
+report says at which step two runs' parameters first differ (bf16p_master against
+bf16p_remainder: the first master that is an exact tie, Note [Remainder master] in
+csrc/adamw_math.h).
+
 Reported: the validation loss (mean cross-entropy in nats per byte over fixed held-out
 windows) after training, each run's relative difference to fp32, and the time per step.
 Progress is printed as the runs go.
@@ -101,7 +115,17 @@ def make_optimizer(name: str, params):
         from torchao.optim import AdamW8bit
 
         return AdamW8bit(params, **HYPER)
+    if name == "bf16p_torch":
+        return torch.optim.AdamW(params, **HYPER, fused=True)
     kw = dict(fused_step=True, rounding_seed=1)
+    if name.startswith("bf16p_master"):
+        kw["master_weights"] = True
+    if name.startswith("bf16p_remainder"):
+        kw["master_weights"] = "remainder"
+    if name.endswith("_8bit") and name.startswith("bf16p_"):
+        kw["state_precision"] = "8bit"
+    if name.startswith("bf16p_"):
+        return ruda_torch.AdamW(params, **HYPER, **kw)
     if name.startswith("bf16"):
         kw["state_precision"] = "bf16"
     if name == "bf16_nearest":
@@ -130,7 +154,7 @@ def evaluate(model, val: torch.Tensor, context: int, windows: int) -> float:
         idx = chunk[:, None] + torch.arange(context + 1)
         x, y = val[idx][:, :-1], val[idx][:, 1:]
         loss = nn.functional.cross_entropy(
-            model(x).reshape(-1, 256), y.reshape(-1), reduction="sum"
+            model(x).float().reshape(-1, 256), y.reshape(-1), reduction="sum"
         )
         total += loss.item()
         count += y.numel()
@@ -138,10 +162,22 @@ def evaluate(model, val: torch.Tensor, context: int, windows: int) -> float:
     return total / count
 
 
+def checksum(model) -> int:
+    """A position-weighted sum of the BF16 parameters' bits: equal runs, equal sums."""
+    total = 0
+    for p in model.parameters():
+        bits = p.detach().reshape(-1).view(torch.int16).to(torch.int64) & 0xFFFF
+        total += int((bits * (1 + torch.arange(bits.numel()) % 65521)).sum())
+    return total
+
+
 def train(name, train_data, val_data, args, seed: int) -> dict:
     torch.manual_seed(seed)
     model = ByteLM(args.context)
+    if name.startswith("bf16p_"):
+        model = model.to(torch.bfloat16)
     opt = make_optimizer(name, model.parameters())
+    sums = []  # the parameters' bits after each step (BF16 runs)
     warmup = max(1, args.steps // 20)
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt,
@@ -155,13 +191,15 @@ def train(name, train_data, val_data, args, seed: int) -> dict:
     losses = []
     data = batches(train_data, args.steps, args.batch, args.context, seed + 7)
     for step, (x, y) in enumerate(data):
-        loss = nn.functional.cross_entropy(model(x).reshape(-1, 256), y.reshape(-1))
+        loss = nn.functional.cross_entropy(model(x).float().reshape(-1, 256), y.reshape(-1))
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         sched.step()
         losses.append(loss.item())
+        if name.startswith("bf16p_"):
+            sums.append(checksum(model))
         if (step + 1) % max(1, args.steps // 10) == 0:
             recent = sum(losses[-20:]) / len(losses[-20:])
             print(f"  {name} (seed {seed}): step {step + 1}/{args.steps}, train loss {recent:.4f}, "
@@ -170,7 +208,7 @@ def train(name, train_data, val_data, args, seed: int) -> dict:
     val = evaluate(model, val_data, args.context, args.val_windows)
     print(f"  {name} (seed {seed}): validation loss {val:.4f} nats/byte", flush=True)
     return dict(val_loss=val, train_loss_last=sum(losses[-20:]) / 20, seconds=seconds,
-                ms_per_step=seconds / args.steps * 1e3)  # fmt: skip
+                ms_per_step=seconds / args.steps * 1e3, checksums=sums)  # fmt: skip
 
 
 def main(argv=None) -> int:
@@ -217,6 +255,16 @@ def main(argv=None) -> int:
         print(f"{name:<15}" + "".join(f"{v:>11.4f}" for v in vals) + f"{r['val_loss']:>10.4f}"
               + (f"{r['vs_fp32']:>+10.2%}" if rel else f"{'-':>10}")
               + f"{r['ms_per_step']:>9.0f}")  # fmt: skip
+    for a, b in (("bf16p_master", "bf16p_remainder"), ("bf16p_master", "bf16p_torch")):
+        if a in results and b in results:
+            for s, ra, rb in zip(seeds, results[a]["per_seed"], results[b]["per_seed"],
+                                 strict=True):  # fmt: skip
+                first = next((i + 1 for i, (x, y) in enumerate(zip(ra["checksums"],
+                              rb["checksums"], strict=True)) if x != y), None)  # fmt: skip
+                print(f"{a} and {b} (seed {s}): parameters "
+                      + ("bit-identical after every step" if first is None
+                         else f"bit-identical through step {first - 1}, first differ after "
+                         f"step {first}"))  # fmt: skip
     if args.json:
         args.json.write_text(json.dumps(dict(environment=env, args=vars(args) | {"json": None},
                                              results=results, skipped=skipped), indent=1))  # fmt: skip

@@ -434,6 +434,42 @@ RUDA_HOST_DEVICE inline float master_or_param(float master, uint16_t param, floa
   return round_nearest16<IS_HALF>(float_bits(master)) == param ? master : widened;
 }
 
+// Note [Remainder master]
+// master_weights="remainder" (BF16 parameters): the FP32 master is kept as its low 16 bits
+// only, an int16 remainder beside the BF16 parameter, which holds the high 16 bits rounded:
+//   param     = (bits + 0x8000) >> 16   (round to nearest, ties away from zero, on the bits)
+//   remainder = bits & 0xFFFF           (as int16: bits - (param << 16), in [-32768, 32767])
+//   master    = (param << 16) + remainder (sign-extended)   -- exactly the FP32 master.
+// Why ties away and not to even, as master_weights=True rounds: with ties to even two
+// masters, (p - 1) << 16 | 0x8000 and p << 16 | 0x8000, both round to the even p with the
+// same low half, so 65,537 masters round to each even parameter and 16 bits cannot tell
+// them apart; ties away makes the map from (parameter, remainder) to masters one to one
+// (TransformerEngine's store_param_remainders rounds the same way). So the masters of
+// "remainder" and True are the same bits, step after step; the BF16 parameter differs only
+// where a master's low half is exactly 0x8000 with an even high half (1 in 131,072 values),
+// by one BF16 unit in the last place, rounded up where True rounds down.
+// A NaN master stores the canonical BF16 NaN with remainder 0, a master of bits 0x7FFF0000
+// (a NaN; True's master is the canonical FP32 NaN, whose low half no int16 reaches). The master
+// made from a parameter that something wrote between steps is that parameter plus the old low half,
+// within half a BF16 unit of the written value: what was written is never lost (True's
+// master_or_param finds such elements exactly; 2 bytes cannot). The one exception is a +-0 written
+// over a negative remainder, which would carry through the sign bit: the master is then the
+// parameter itself. Whole-tensor writes seen by the parameter's version counter reset its
+// remainders to 0 in the optimizer (Note [Master weights] in ruda_torch/_fused.py).
+RUDA_HOST_DEVICE inline float master_of_remainder(uint16_t param, uint16_t remainder) {
+  const uint32_t high = static_cast<uint32_t>(param) << 16;
+  const uint32_t bits =
+      high + static_cast<uint32_t>(static_cast<int32_t>(static_cast<int16_t>(remainder)));
+  return float_from_bits(((bits ^ high) >> 31) != 0 ? high : bits);
+}
+
+// The parameter's bits (high half) and the remainder (low half) of a master x.
+RUDA_HOST_DEVICE inline uint32_t split_master(float x) {
+  const uint32_t bits = float_bits(x);
+  if ((bits & 0x7FFFFFFFu) > 0x7F800000u) return static_cast<uint32_t>(kCanonicalNaNBits16) << 16;
+  return ((bits + 0x8000u) & 0xFFFF0000u) | (bits & 0xFFFFu);
+}
+
 // Note [Division by a step constant]
 // m / bc1 and v_used / bc2 divide by constants of the step: bc = 1 - beta^t rounded to
 // FP32, a normal number in [2^-53, 1] (beta < 1 in FP64). For every FP32 x, RN32(x / bc) =

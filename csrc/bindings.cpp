@@ -83,6 +83,8 @@ const char* dtype_name(at::ScalarType t) {
       return "bfloat16";
     case at::kByte:
       return "uint8";
+    case at::kShort:
+      return "int16";
     default:
       return c10::toString(t);
   }
@@ -263,12 +265,19 @@ AdamWLaunch prepare_launch(const char* op, size_t n, const at::Device& device,
                 max_exp_avg_sq->numel(), " vs ", exp_avg.numel(), ")");
   }
   check_flat(op, steps, "steps", device);
+  // `master`: FP32 masters, or int16 remainders of BF16 parameters' FP32 masters (Note
+  // [Remainder master] in csrc/adamw_math.h).
+  const bool remainder = master.has_value() && master->scalar_type() == at::kShort;
   if (master.has_value()) {
     TORCH_CHECK(is_16bit(pdtype), "ruda_torch.", op,
                 ": master weights are for float16 and "
                 "bfloat16 parameters; params are ",
                 dtype_name(pdtype), " (pass master=None)");
-    check_flat(op, *master, "master", device);
+    TORCH_CHECK(!remainder || pdtype == at::kBFloat16, "ruda_torch.", op,
+                ": an int16 master (the remainder of an FP32 master) is for bfloat16 "
+                "parameters, whose bits are its high half; params are ",
+                dtype_name(pdtype), " (pass a float32 master)");
+    check_flat(op, *master, "master", device, remainder ? at::kShort : at::kFloat);
     TORCH_CHECK(master->numel() == capacity, "ruda_torch.", op,
                 ": master must have as many elements as exp_avg holds (got ", master->numel(),
                 " vs ", capacity, ")");
@@ -336,7 +345,8 @@ AdamWLaunch prepare_launch(const char* op, size_t n, const at::Device& device,
   L.exp_avg = exp_avg.data_ptr();
   L.exp_avg_sq = exp_avg_sq.data_ptr();
   L.max_exp_avg_sq = max_exp_avg_sq.has_value() ? max_exp_avg_sq->data_ptr() : nullptr;
-  L.master = master.has_value() ? master->data_ptr<float>() : nullptr;
+  L.master = master.has_value() && !remainder ? master->data_ptr<float>() : nullptr;
+  L.remainder = remainder ? reinterpret_cast<uint16_t*>(master->data_ptr<int16_t>()) : nullptr;
   L.steps = steps.data_ptr<float>();
   L.state_dtype = dtype_of(sdtype);
   L.exp_avg_scales = L.exp_avg_sq_scales = L.max_exp_avg_sq_scales = nullptr;
@@ -383,6 +393,7 @@ bool edges8_of(const AdamWLaunch& L, const std::vector<TensorEntry>& entries) {
     const int64_t off = e.state_offset;
     if (e.numel % kBlock8 != 0 || misaligned(e.param, 16) || misaligned(e.grad, 16) ||
         (L.master != nullptr && misaligned(L.master + off, 16)) ||
+        (L.remainder != nullptr && misaligned(L.remainder + off, 16)) ||
         misaligned(static_cast<uint8_t*>(L.exp_avg) + off, 8) ||
         misaligned(static_cast<uint8_t*>(L.exp_avg_sq) + off, 8) ||
         (L.max_exp_avg_sq != nullptr &&

@@ -12,7 +12,8 @@ TORCH_LIBRARY(ruda_torch, m) {
   // In-place AdamW/AMSGrad over one bucket (docs/design.md sections 1-2). `slots` is a CPU int64
   // tensor [n, 2]: the element offset of params[i]'s slice in the flat state buffers and
   // the index of its step counter in `steps`. Skip/clip/scale are read on the device.
-  // `master`: FP32 master weights of 16-bit params (same layout as exp_avg); `lr_tensor`:
+  // `master`: FP32 master weights of 16-bit params (same layout as exp_avg), or int16
+  // remainders of BF16 params' FP32 masters (Note [Remainder master]); `lr_tensor`:
   // a one-element lr read by the kernel; `rounding` 1: stochastic rounding of BF16 params
   // with `seed` (Note [Parameter dtypes] in csrc/adamw_math.h); `decoupled` false: Adam's
   // L2 decay, weight_decay * param added to the gradient (Note [Weight decay modes]).

@@ -91,6 +91,10 @@ struct AdamWLaunch {
   float* exp_avg_sq_scales;
   float* max_exp_avg_sq_scales;
   float* master;  // FP32 master weights of 16-bit parameters, or null
+  // The masters' low halves of BF16 parameters (master_weights="remainder", Note
+  // [Remainder master] in csrc/adamw_math.h), int16 like exp_avg's layout, or null; never
+  // set with `master`.
+  uint16_t* remainder;
   // 8-bit moments: whether some block of the launch is not a whole block of 16-byte aligned
   // elements (the last block of a tensor whose size is no multiple of kBlock8, a view not
   // 16-byte aligned), which the CUDA kernels step in a launch of their own (Note [8-bit

@@ -11,13 +11,16 @@
 - ``ruda_torch.amp.GradScaler``: ``torch.amp.GradScaler`` whose ``step`` takes the
   non-finite check from the optimizer's statistics instead of a pass of its own.
 - ``ruda_torch.dequantize_state_dict``: an optimizer checkpoint with 8-bit moments
-  (``state_precision="8bit"``) in torch.optim.AdamW's format.
+  (``state_precision="8bit"``) in torch.optim.AdamW's format;
+  ``ruda_torch.master_weights_of``: every parameter's FP32 master, kept whole
+  (``master_weights=True``) or as a remainder (``master_weights="remainder"``).
 - ``ruda_torch.compiled_backends()``: which kernels this build contains;
   ``ruda_torch.cpu_capability()``: the vector ISA of the CPU kernels in use.
 """
 
 from . import amp, ops
 from ._build import compiled_backends, cpu_capability
+from ._remainder import master_weights_of
 from ._state8bit import dequantize_state_dict
 from .functional import AdamWOptions, AdamWState, StepControl, StepResult, adamw_step
 from .optimizer import Adam, AdamW, GradientReport
@@ -39,5 +42,6 @@ __all__ = [
     "compiled_backends",
     "cpu_capability",
     "dequantize_state_dict",
+    "master_weights_of",
     "ops",
 ]

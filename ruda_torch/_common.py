@@ -39,6 +39,20 @@ STATE_KEYS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
 # The FP32 master copy of a 16-bit parameter (master_weights; Note [Master weights] in
 # ruda_torch/_fused.py). torch.optim.AdamW carries it along as an unknown key.
 MASTER_KEY = "master_param"
+# Its low 16 bits, int16, beside a BF16 parameter (master_weights="remainder"; Note
+# [Remainder master] in csrc/adamw_math.h).
+REMAINDER_KEY = "master_remainder"
+MASTER_KEYS = (MASTER_KEY, REMAINDER_KEY)
+
+
+def master_kind(group: dict):
+    """A group's master_weights as the buckets keep it: None, "fp32" or "remainder"."""
+    value = group.get("master_weights")
+    if isinstance(value, str) and value == "remainder":
+        return "remainder"
+    return "fp32" if value is True else None
+
+
 REQUIRED_KEYS = ("step", "exp_avg", "exp_avg_sq")
 
 

@@ -7,7 +7,7 @@ one scope (Note [Scopes] in ruda_torch/distributed.py) and one moment precision 
 bucket: flat buffers ``exp_avg``, ``exp_avg_sq`` (and ``max_exp_avg_sq`` with AMSGrad;
 FP64 for FP64 parameters, else FP32, BF16 or 8-bit codes with their scales as the group's
 ``state_precision`` says, Note [8-bit buckets]), with ``master_weights`` a flat FP32 ``master`` for
-FP16/BF16 parameters, in which every parameter owns a contiguous
+FP16/BF16 parameters (int16 remainders for BF16 ones with ``"remainder"``), in which every parameter owns a contiguous
 slice (starting on a 64-byte boundary, so the kernels use wide accesses), and a flat FP32
 ``steps`` buffer with one counter per parameter. ``optimizer.state[p]`` holds views into
 these buffers, shaped like ``p`` (with ``p``'s strides when ``p`` is dense but not
@@ -28,6 +28,13 @@ step (a load of model weights, ``p.data.copy_``, an initialization) is honoured 
 element, at the cost of reading the parameter (2 bytes per element) in the same pass.
 So a master is never stale, a checkpoint without one (torch's) starts from the
 parameter, and one with one (ours) resumes bit for bit.
+With ``master_weights="remainder"`` (BF16 parameters) the master is the parameter's bits
+and an int16 remainder (Note [Remainder master] in csrc/adamw_math.h), which cannot tell
+a written element from a stepped one: the parameter's version counter stands in for the
+comparison, per tensor. A parameter whose version moved since the bucket's last step
+(``reset_written``) has its remainders zeroed, so the step starts from its value; a write
+the counter does not see (``p.data.copy_``) keeps the written value to within half a BF16
+unit (the old low half under it).
 
 Note [Flat gradient buckets]
 With ``flat_grads=True`` a bucket also owns ``grad_flat``, one gradient buffer in the
@@ -63,6 +70,8 @@ from . import _C, ops
 from ._build import BLOCK_8BIT
 from ._common import (
     MASTER_KEY,
+    MASTER_KEYS,
+    REMAINDER_KEY,
     STATE_KEYS,
     codes_key,
     is_dense,
@@ -71,6 +80,7 @@ from ._common import (
     pair_keys,
     scales_key,
 )
+from ._remainder import master_from_remainder, remainder_of_master
 from ._state8bit import (
     blocks_8bit,
     moment_code,
@@ -102,7 +112,7 @@ class Bucket:
         params: list[torch.Tensor],
         amsgrad: bool,
         scope=LOCAL,
-        master: bool = False,
+        master: str | None = None,
         flat: bool = False,
         precision: str = "fp32",
     ):
@@ -140,11 +150,20 @@ class Bucket:
             runs = 3 if amsgrad else 2
             self.scales = torch.zeros(runs * total // BLOCK_8BIT, dtype=torch.float32,
                                       device=self.device)  # fmt: skip
+        # The masters of 16-bit parameters (master_weights): FP32, or for BF16 parameters
+        # the int16 remainders of FP32 ones (Note [Remainder master] in csrc/adamw_math.h),
+        # which the kernel tells apart by their dtype.
+        self.master_kind = _master_kind(master, self.dtype)
+        self.master_key = REMAINDER_KEY if self.master_kind == "remainder" else MASTER_KEY
         self.master = (
-            torch.zeros(total, dtype=torch.float32, device=self.device)
-            if master and self.dtype in _HALF_DTYPES
-            else None
-        )
+            None
+            if self.master_kind is None
+            else torch.zeros(total, device=self.device,
+                             dtype=torch.int16 if self.master_kind == "remainder" else torch.float32)
+        )  # fmt: skip
+        # The parameters' versions after this bucket last wrote them (remainder masters): a
+        # parameter written since restarts its master from its value (Note [Master weights]).
+        self.versions: list[tuple[int, int] | None] = [None] * len(params)
         self.steps = torch.zeros(len(params), dtype=torch.float32, device=self.device)
         # What the kernel steps: the local tensors, with a contiguous staging copy in place
         # of each that is not dense (Note [Buckets]).
@@ -199,17 +218,20 @@ class Bucket:
             keys = list(pair_keys(self.moments))
         else:
             keys = list(self.moments)
-        return ("step", *keys) if self.master is None else ("step", *keys, MASTER_KEY)
+        return ("step", *keys) if self.master is None else ("step", *keys, self.master_key)
 
     @property
     def foreign_keys(self) -> tuple[str, ...]:
-        """The other form of this bucket's moments: never in an entry it owns."""
+        """The other form of this bucket's moments (and of its master): never in an entry
+        it owns."""
+        other = (*MASTER_KEYS,) if self.master is not None else ()
+        other = tuple(k for k in other if k != self.master_key)
         if self.eight_bit:
-            return self.moments
-        return pair_keys(self.moments)
+            return (*self.moments, *other)
+        return (*pair_keys(self.moments), *other)
 
     def can_serve(
-        self, params: list, scope, amsgrad: bool, master: bool, flat: bool, precision: str
+        self, params: list, scope, amsgrad: bool, master, flat: bool, precision: str
     ) -> bool:
         """Whether this bucket can stay the bucket of ``params`` (Note [Fused state
         coherence], step 1)."""
@@ -222,7 +244,7 @@ class Bucket:
             and scope == self.scope
             and all(local(p).device == self.device for p in params)
             and (self.max_exp_avg_sq is not None or not amsgrad)
-            and (self.master is not None) == (master and self.dtype in _HALF_DTYPES)
+            and self.master_kind == _master_kind(master, self.dtype)
             and self.flat == flat
             and self.precision == precision
         )
@@ -392,9 +414,21 @@ class Bucket:
                 self._slice(buf, i).zero_()
             else:
                 self._slice(buf, i).copy_(local(src))
-        if self.master is not None:
+        if self.master_kind == "fp32":
             src = values.get(MASTER_KEY)
+            if src is None and values.get(REMAINDER_KEY) is not None:
+                src = master_from_remainder(local(self.params[i]), local(values[REMAINDER_KEY]))
             self._slice(self.master, i).copy_(local(self.params[i]) if src is None else local(src))
+        elif self.master_kind == "remainder":
+            src = values.get(REMAINDER_KEY)
+            if src is None and values.get(MASTER_KEY) is not None:
+                src = remainder_of_master(local(self.params[i]), local(values[MASTER_KEY]))
+            dst = self._slice(self.master, i)
+            if src is None:
+                dst.zero_()  # the master is the parameter (torch's checkpoint, a fresh slot)
+            else:
+                dst.copy_(local(src))
+            self.versions[i] = None
         self.zeroed[i] = False
 
     def _write_8bit(self, i: int, key: str, values: dict) -> None:
@@ -420,6 +454,36 @@ class Bucket:
         code = ops.CODES_8BIT.index(moment_code(key))
         torch.ops.ruda_torch.quantize_8bit(staging, codes, used, code)
 
+    def _versions_of(self, i: int) -> tuple[int, int]:
+        """The version counters of params[i] and of its remainders' state view."""
+        return self.locals[i]._version, local(self.views[i][REMAINDER_KEY])._version
+
+    def reset_written(self, active: list[int]) -> None:
+        """Remainder masters (Note [Master weights]): a parameter that something wrote in
+        place since this bucket's last step (its version counter moved: a model load,
+        ``copy_`` or an initialization under no_grad) restarts its master from its value,
+        remainders 0, unless its remainders were written too (a checkpoint loaded in
+        place, as DCP loads: the pair is restored). Not while a CUDA graph is captured: a
+        captured reset would run at every replay."""
+        if self.master_kind != "remainder":
+            return
+        if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return
+        for i in active:
+            seen = self.versions[i]
+            if seen is None or self.views[i] is None:
+                continue
+            param, remainder = self._versions_of(i)
+            if param != seen[0] and remainder == seen[1]:
+                self._slice(self.master, i).zero_()
+
+    def note_versions(self, active: list[int]) -> None:
+        """The versions the step left the parameters and remainders at (reset_written
+        compares)."""
+        if self.master_kind == "remainder":
+            for i in active:
+                self.versions[i] = None if self.views[i] is None else self._versions_of(i)
+
     def own_views(self, i: int, with_max: bool) -> dict:
         """The state values of slot i, as install() puts them into an entry: tensors of
         their own over the slot (Note [Tensors of their own] in csrc/py_records.h)."""
@@ -435,7 +499,7 @@ class Bucket:
             else:
                 views[key] = _wrap_like(self._own_slice(buf, i), p)
         if self.master is not None:
-            views[MASTER_KEY] = _wrap_like(self._own_slice(self.master, i), p)
+            views[self.master_key] = _wrap_like(self._own_slice(self.master, i), p)
         return views
 
     def install(self, i: int, entry, views: dict) -> None:
@@ -489,6 +553,14 @@ class Bucket:
                 max(plan.scratch_elements, 1), dtype=torch.float32, device=self.device
             )
         return self.rows, self.scratch
+
+
+def _master_kind(master, dtype: torch.dtype):
+    """The master a bucket of ``dtype`` parameters keeps for a group's master kind
+    (_common.master_kind): none for FP32/FP64 parameters, which are their own masters."""
+    if master is None or master is False or dtype not in _HALF_DTYPES:
+        return None
+    return "remainder" if isinstance(master, str) and master == "remainder" else "fp32"
 
 
 def _same(a, b) -> bool:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from ._build import check_device
-from ._common import MIN_8BIT_SIZE, STATE_PRECISIONS, STATE_ROUNDINGS, local
+from ._common import MIN_8BIT_SIZE, STATE_PRECISIONS, STATE_ROUNDINGS, local, master_kind
 from ._validate import check_flat_param, check_hyperparameters, check_max_grad_norm
 from .distributed import check_process_group, ranks_of
 
@@ -139,20 +139,23 @@ def check_precision(group: dict, where: str, dtype: torch.dtype) -> None:
 
 
 # Our on/off options of the fused path: True or False, nothing that merely tests true (a
-# string such as "remainder" taken as True would be a different master than asked for).
+# string such as "fp32" taken as True would be a different master than asked for);
+# master_weights also takes "remainder" (Note [Remainder master] in csrc/adamw_math.h).
 FLAGS = ("master_weights", "stochastic_rounding", "flat_grads")
 
 
 def check_flags(group: dict, where: str) -> None:
     for key in FLAGS:
         value = group.get(key, False)
-        if isinstance(value, bool):
+        if isinstance(value, bool) or (
+            key == "master_weights" and master_kind(group) == "remainder"
+        ):
             continue
-        if key == "master_weights" and value == "remainder":
+        if key == "master_weights":
             raise ValueError(
-                f"master_weights='remainder'{where} (a 2-byte remainder of the FP32 master) is "
-                "not available in this version of ruda_torch: use master_weights=True (an FP32 "
-                "master, 4 bytes per parameter) or False"
+                f"master_weights must be True, False or 'remainder'{where}, got {value!r} "
+                "(True: an FP32 master, 4 bytes per parameter; 'remainder': its low 16 bits "
+                "beside a bfloat16 parameter, 2 bytes)"
             )
         raise ValueError(f"{key} must be True or False{where}, got {value!r}")
 
@@ -163,8 +166,9 @@ def check_group_options(group: dict, gi) -> None:
     check_flags(group, where)
     if group.get("master_weights") and group.get("stochastic_rounding"):
         raise ValueError(
-            f"master_weights=True and stochastic_rounding=True exclude each other{where}: the "
-            "master keeps the exact value, stochastic rounding is the way to go without one"
+            f"master_weights={group['master_weights']!r} and stochastic_rounding=True exclude "
+            f"each other{where}: the master keeps the exact value, stochastic rounding is the "
+            "way to go without one"
         )
     if (
         group.get("master_weights") or group.get("stochastic_rounding") or group.get("flat_grads")
@@ -207,6 +211,8 @@ def check_group_options(group: dict, gi) -> None:
 def check_bucket_options(group: dict, gi: int, buckets: list) -> None:
     """What check_fused_param checks of a group's options per parameter dtype, per bucket
     (one dtype each): run before every step, where the options may have changed."""
+    if master_kind(group) == "remainder" and any(b.dtype == torch.float16 for b in buckets):
+        raise ValueError(_REMAINDER_FP16.format(where=f"param group {gi} has float16 parameters"))
     if group.get("stochastic_rounding") and any(b.dtype == torch.float16 for b in buckets):
         raise ValueError(
             f"stochastic_rounding=True is implemented for bfloat16 parameters; param group "
@@ -281,6 +287,13 @@ def _group_description(opt, key: str, value):
 
 
 FUSED_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+# An FP16 value is not the high half of an FP32 one (its exponent has 5 bits): no 16-bit
+# remainder makes its FP32 master exact.
+_REMAINDER_FP16 = (
+    "master_weights='remainder' keeps the low 16 bits of an FP32 master whose high 16 bits "
+    "are the bfloat16 parameter; {where}, whose values are not the high half of an FP32 "
+    "value. Use master_weights=True (an FP32 master) for float16 parameters"
+)
 
 
 def check_fused_param(p, gi: int, j: int, group=None, built: bool = True) -> None:
@@ -301,6 +314,8 @@ def check_fused_param(p, gi: int, j: int, group=None, built: bool = True) -> Non
             f"stochastic_rounding=True is implemented for bfloat16 parameters; {where} is "
             "float16. Use master_weights=True for float16 parameters"
         )
+    if group is not None and p.dtype == torch.float16 and master_kind(group) == "remainder":
+        raise ValueError(_REMAINDER_FP16.format(where=f"{where} is float16"))
     if group is not None and p.dtype == torch.float64:
         check_precision(group, where, p.dtype)
     if group is not None and group.get("flat_grads"):

@@ -57,7 +57,7 @@ from operator import is_ as _same
 import torch
 
 from . import _C
-from ._common import EIGHT_BIT_KEYS, MASTER_KEY, MIN_8BIT_SIZE, STATE_KEYS, local
+from ._common import EIGHT_BIT_KEYS, MASTER_KEYS, MIN_8BIT_SIZE, STATE_KEYS, local, master_kind
 from ._fused import Bucket
 from ._options import check_fused_param, check_group_options
 from ._state8bit import bucket_precision, moment_format
@@ -123,7 +123,7 @@ def _flags(group: dict) -> tuple:
     return (
         bool(group.get("fused_step")),
         bool(group.get("amsgrad")),
-        bool(group.get("master_weights")),
+        master_kind(group),
         bool(group.get("flat_grads")),
         group.get("state_precision", "fp32"),
         group.get("min_8bit_size", MIN_8BIT_SIZE),
@@ -181,7 +181,7 @@ def derive(opt, previous: FusedPlan | None, needs_global: bool) -> FusedPlan:
                     "belongs to one group (torch's add_param_group enforces this too)"
                 )
         amsgrad = bool(group["amsgrad"])
-        master = bool(group.get("master_weights"))
+        master = master_kind(group)
         flat = bool(group.get("flat_grads"))
         buckets = []
         for scope, precision, ps, js in split_group(opt, gi, group, needs_global):
@@ -214,7 +214,7 @@ def derive(opt, previous: FusedPlan | None, needs_global: bool) -> FusedPlan:
     staged = []
     for b, i, p, entry, step, with_max in adopt:
         values = {}
-        for key in (*STATE_KEYS, *EIGHT_BIT_KEYS, MASTER_KEY):
+        for key in (*STATE_KEYS, *EIGHT_BIT_KEYS, *MASTER_KEYS):
             value = entry.get(key)
             if isinstance(value, torch.Tensor):
                 value = local(value)

@@ -316,6 +316,8 @@ def run_kernel(opt, op, c: FusedCall, grad_scale, found_inf, stats, clip_coef, p
     if isinstance(lr, torch.Tensor) and lr.device.type != "cpu":  # read by the kernel
         lr = per_device.get(lr, dev)  # (a CPU Tensor lr is read by the binding)
     writes = op is ops.adamw_scaled_
+    if writes:
+        b.reset_written(c.active)
     if writes and b.staged:
         b.stage_in(c.active)
     all_active = len(c.active) == len(b.params)
@@ -365,6 +367,8 @@ def run_kernel(opt, op, c: FusedCall, grad_scale, found_inf, stats, clip_coef, p
         raise RuntimeError(f"{where}: {e}") from e
     if writes and b.staged:
         b.stage_out(c.active)
+    if writes:
+        b.note_versions(c.active)
 
 
 def in_layout(target: torch.Tensor, g: torch.Tensor) -> torch.Tensor:

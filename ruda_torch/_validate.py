@@ -11,6 +11,7 @@ import torch
 from ._common import (
     EIGHT_BIT_KEYS,
     MASTER_KEY,
+    REMAINDER_KEY,
     REQUIRED_KEYS,
     STATE_KEYS,
     check_shape,
@@ -150,7 +151,32 @@ def check_state_entry(entry, p: torch.Tensor, where: str, eight_bit: bool = True
             check_8bit(entry, p, key, where)
     if MASTER_KEY in entry:
         _check_values(entry[MASTER_KEY], p, MASTER_KEY, where)
+    if REMAINDER_KEY in entry:
+        check_remainder(entry, p, where)
     return step_value(entry["step"], where)
+
+
+def check_remainder(entry, p: torch.Tensor, where: str) -> None:
+    """A remainder master (Note [Remainder master] in csrc/adamw_math.h): int16, shaped
+    like a bfloat16 ``p``, and not beside an FP32 master (one master, in one form)."""
+    value = entry[REMAINDER_KEY]
+    if MASTER_KEY in entry:
+        raise ValueError(
+            f"{where} holds both {MASTER_KEY!r} and {REMAINDER_KEY!r}: a parameter has one "
+            "master, in one form; remove one of them"
+        )
+    if not isinstance(value, torch.Tensor) or value.dtype != torch.int16 or value.is_meta:
+        raise ValueError(
+            f"{where}[{REMAINDER_KEY!r}] must be an int16 tensor with values (the low 16 bits "
+            f"of the FP32 master), got "
+            f"{value.dtype if isinstance(value, torch.Tensor) else type(value).__name__}"
+        )
+    if p.dtype != torch.bfloat16:
+        raise ValueError(
+            f"{where}[{REMAINDER_KEY!r}] is the remainder of the master of a bfloat16 "
+            f"parameter, but the parameter is {p.dtype}"
+        )
+    check_shape(value, p, REMAINDER_KEY, where)
 
 
 def check_flat_param(p: torch.Tensor, where: str) -> None:

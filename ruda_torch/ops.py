@@ -66,7 +66,10 @@ def adamw_scaled_(
 
     16-bit parameters (Note [Parameter dtypes] in csrc/adamw_math.h): the update is
     computed in FP32 from ``master`` (a flat FP32 buffer like ``exp_avg``, updated in
-    place) when given, else from the parameter, and written back rounded to nearest even,
+    place) when given, else from the parameter, and written back rounded to nearest even;
+    an int16 ``master`` (BF16 parameters) holds the FP32 masters' low 16 bits, the
+    parameter their high 16 rounded ties away (Note [Remainder master] in
+    csrc/adamw_math.h);
     or for BF16 without ``master`` stochastically with ``stochastic_rounding`` (random
     bits from ``seed``, the step counter and the element's state offset). A Tensor lr
     (one floating element, as ``lr=`` or ``lr_tensor=``) replaces the float: on the CPU

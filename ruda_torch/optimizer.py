@@ -34,7 +34,7 @@ from torch.optim import Optimizer
 
 from . import _fused, _options, _plan, _state8bit
 from . import _step as phases
-from ._common import EIGHT_BIT_KEYS, MASTER_KEY, STATE_KEYS, local
+from ._common import EIGHT_BIT_KEYS, MASTER_KEYS, STATE_KEYS, local
 from ._validate import check_max_grad_norm, check_state_entry, check_stats_dtype
 from .distributed import Scope, check_disjoint, check_process_group, ranks_of
 from .report import GradientReport
@@ -75,11 +75,14 @@ class AdamW(Optimizer):
             BF16 parameters of any layout (FP64 math for FP64, FP32 math and FP32 moments
             for the others). ``False`` is the generic tensor-operation path that works
             anywhere.
-        master_weights (bool, default False): for FP16/BF16 parameters of a fused group,
-            keep an FP32 master copy (``state[p]["master_param"]``) that the kernel
-            updates, writing the parameter rounded to nearest even from it in the same
-            pass (Note [Master weights]). A param-group option; ``True`` or ``False`` (any
-            other value is a ValueError, as for stochastic_rounding and flat_grads).
+        master_weights (bool or ``"remainder"``, default False): for FP16/BF16 parameters
+            of a fused group, ``True`` keeps an FP32 master copy
+            (``state[p]["master_param"]``) that the kernel updates, writing the parameter
+            rounded to nearest even from it in the same pass (Note [Master weights]);
+            ``"remainder"`` (BF16 parameters only) keeps the same FP32 master in 2 bytes:
+            its low 16 bits (``state[p]["master_remainder"]``, int16) beside the BF16
+            parameter, which holds its high 16 bits rounded (Note [Remainder master] in
+            csrc/adamw_math.h). A param-group option; any other value is a ValueError.
         flat_grads (bool, default False): for a fused group, make every ``p.grad`` a view
             of one flat gradient buffer per bucket, laid out like the state, which
             backward accumulates into in place; ``zero_grad()`` fills the buffer with
@@ -163,7 +166,7 @@ class AdamW(Optimizer):
         differentiable: bool = False,
         fused: bool | None = None,
         fused_step: bool | None = None,
-        master_weights: bool = False,
+        master_weights: bool | str = False,
         stochastic_rounding: bool = False,
         rounding_seed: int = 0,
         flat_grads: bool = False,
@@ -408,7 +411,7 @@ class AdamW(Optimizer):
         # round FP32 moments and masters of 16-bit parameters, and turn 8-bit codes and
         # scales into values (at four times their memory): the fused parameters' values
         # go around it, and the buckets adopt them exactly.
-        taken = (*STATE_KEYS, *EIGHT_BIT_KEYS, MASTER_KEY)
+        taken = (*STATE_KEYS, *EIGHT_BIT_KEYS, *MASTER_KEYS)
         loaded = {
             key: {k: v for k, v in st.items() if k not in taken}
             if st and id(id_to_param[key]) in fused

@@ -38,6 +38,8 @@ def _train(kind: str) -> list[torch.Tensor]:
         kw.update(amsgrad=True, hierarchical_stats=True, max_grad_norm=0.5)
     elif kind == "bf16-master":
         kw.update(master_weights=True)
+    elif kind == "bf16-remainder":  # Note [Remainder master]: vector loads, scalar splits
+        kw.update(master_weights="remainder", amsgrad=True)
     elif kind == "bf16-sr":
         kw.update(stochastic_rounding=True, rounding_seed=3)
     elif kind == "8bit":  # the codes and scales of the 8-bit step (csrc/quant8.h)
@@ -94,7 +96,7 @@ def test_every_isa_build_gives_the_default_bits(isa, restore_isa):
     results = {}
     for build in dict.fromkeys(["default", isa]):
         assert _build.use_cpu_isa(build) == build
-        kinds = ("fp32", "fp64", "bf16-master", "bf16-sr", "8bit")
+        kinds = ("fp32", "fp64", "bf16-master", "bf16-remainder", "bf16-sr", "8bit")
         results[build] = [_train(k) for k in kinds]
         results[build].append(_stats_inputs())
     for got_set, want_set in zip(results[isa], results["default"], strict=True):

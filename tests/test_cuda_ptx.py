@@ -81,7 +81,7 @@ def _kernels(ptx: str) -> dict[str, str]:
 # (after the two namespaces), S3_ the second.
 _TYPES = {"f": "fp32", "d": "fp64", "6__half": "fp16", "13__nv_bfloat16": "bf16"}
 _ARG = r"(f|d|6__half|13__nv_bfloat16|S\d_)"
-_KERNEL = re.compile(rf"adamw_kernelI{_ARG}{_ARG}{_ARG}Lb([01])E")
+_KERNEL = re.compile(rf"adamw_kernelI{_ARG}{_ARG}{_ARG}Lb([01])ELb([01])E")
 PAIRS = {("fp32", "fp32"), ("fp32", "fp16"), ("fp32", "bf16"), ("fp16", "fp16"), ("fp16", "fp32"),
          ("bf16", "bf16"), ("bf16", "fp32"), ("fp64", "fp64")}  # fmt: skip
 
@@ -100,33 +100,34 @@ def _template_types(m: re.Match) -> list[str]:
 
 def test_aligned_path_uses_wide_loads_and_stores(ptx):
     """FP32 state and FP32 parameters, masters and gradients move 16 bytes per access,
-    16-bit parameters and BF16 moments 8 bytes (4 elements); FP64 buckets use scalar
-    accesses."""
+    16-bit parameters, BF16 moments and int16 remainders (the REM kernels, Note [Remainder
+    master]) 8 bytes (4 elements); FP64 buckets use scalar accesses."""
     kernels = _kernels(ptx)
     found = {}
     for name, body in kernels.items():
         m = _KERNEL.search(name)
         assert m, f"unexpected kernel {name}"
         param, grad, state = _template_types(m)
-        amsgrad = m.group(4) == "1"
-        found[(param, grad, state, amsgrad)] = name
+        amsgrad, rem = m.group(4) == "1", m.group(5) == "1"
+        found[(param, grad, state, amsgrad, rem)] = name
         if param == "fp64":
             continue
         stores = re.findall(r"st\.global(?:\.\w+)*\.v4\.f32", body)
         loads = re.findall(r"ld\.global(?:\.\w+)*\.v4\.f32", body)
         moments = 3 if amsgrad else 2  # exp_avg, exp_avg_sq (+ max_exp_avg_sq)
         wide = moments if state == "fp32" else 0
-        # + the parameter (FP32) or the master (16-bit parameters with master weights)
-        need = wide + 1
+        # + the parameter (FP32) or the master (16-bit parameters with master weights; a
+        # remainder kernel has none)
+        need = wide + (not rem)
         assert len(stores) >= need, f"{name}: {len(stores)} 16-byte stores, want {need}"
         need += grad == "fp32"
         assert len(loads) >= need, f"{name}: {len(loads)} 16-byte FP32 loads, want {need}"
-        narrow = (moments if state == "bf16" else 0) + (param in ("fp16", "bf16"))
+        narrow = (moments if state == "bf16" else 0) + (param in ("fp16", "bf16")) + rem
         if narrow:  # four 16-bit elements as one uint2 (load_bits16, store_bits16)
             for op in ("ld", "st"):
                 found_ = re.findall(rf"{op}\.global(?:\.\w+)*\.v2\.u32", body)
                 assert len(found_) >= narrow, f"{name}: {len(found_)} 8-byte {op}, want {narrow}"
     states = {"fp64": ("fp64",)}
-    want = {(p, g, st, a) for p, g in PAIRS for st in states.get(p, ("fp32", "bf16"))
-            for a in (False, True)}  # fmt: skip
+    want = {(p, g, st, a, r) for p, g in PAIRS for st in states.get(p, ("fp32", "bf16"))
+            for a in (False, True) for r in ((False, True) if p == "bf16" else (False,))}  # fmt: skip
     assert set(found) == want, f"kernel variants: {sorted(found)}"

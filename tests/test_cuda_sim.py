@@ -60,7 +60,7 @@ def schedule(request, sim):
 def _bits(t: torch.Tensor) -> torch.Tensor:
     view = {torch.float32: torch.int32, torch.float64: torch.int64,
             torch.float16: torch.int16, torch.bfloat16: torch.int16,
-            torch.uint8: torch.uint8}  # fmt: skip
+            torch.int16: torch.int16, torch.uint8: torch.uint8}  # fmt: skip
     return t.contiguous().view(view[t.dtype])
 
 
@@ -243,6 +243,43 @@ def test_update_8bit_matches_cpu(sim, schedule, pdtype, amsgrad, master, roundin
                          clip_coef=torch.tensor([0.75]))  # fmt: skip
     _compare(cpu, emu, f"8-bit {pdtype}")
     assert not torch.equal(cpu["exp_avg"], state["exp_avg"])  # the step wrote codes
+
+
+def _with_remainders(state: dict) -> dict:
+    """The state with its FP32 masters as the int16 remainders over its BF16 parameters
+    (Note [Remainder master] in csrc/adamw_math.h)."""
+    from ruda_torch._remainder import remainder_of_master
+
+    rem = torch.zeros(state["master"].numel(), dtype=torch.int16)
+    for p, (off, _) in zip(state["params"], state["slots"].tolist(), strict=True):
+        rem[off : off + p.numel()] = remainder_of_master(p, state["master"][off : off + p.numel()])
+    return dict(state, master=rem)
+
+
+@pytest.mark.parametrize("views", ["aligned", "unaligned"])
+@pytest.mark.parametrize("moments", ["fp32", "bf16", "8bit"])
+@pytest.mark.parametrize("amsgrad", [False, True], ids=["adamw", "amsgrad"])
+def test_update_remainder_matches_cpu(sim, schedule, moments, amsgrad, views):
+    """master_weights="remainder": the emulated kernels (wide accesses, element loops, the
+    8-bit direct and edge kernels) write the CPU kernel's parameters and remainders."""
+    from test_quant8 import _bucket_8bit
+
+    if moments == "8bit":
+        sizes = [97, 0, 1025, 256, 4097, 8192]
+        params, grads, state, _ = _bucket_8bit(sizes, amsgrad, torch.bfloat16, seed=4,
+                                               master=True)  # fmt: skip
+        if views == "unaligned":
+            params = [torch.empty(p.numel() + 1, dtype=p.dtype)[1:].copy_(p) if i % 2 else p
+                      for i, p in enumerate(params)]  # fmt: skip
+        state = dict(state, params=params, grads=grads)
+    else:
+        state = _bucket(torch.bfloat16, torch.bfloat16, amsgrad, True, SIZES, views == "unaligned",
+                        seed=8, sdtype=torch.bfloat16 if moments == "bf16" else None)  # fmt: skip
+    state = _with_remainders(state)
+    cpu, emu = _run_both(sim, state, grad_scale=torch.tensor([2.0]), clip_coef=torch.tensor([0.75]),
+                         rounding=2 if moments == "bf16" else 0, seed=3)  # fmt: skip
+    _compare(cpu, emu, f"remainder {moments}")
+    assert not torch.equal(cpu["master"], state["master"])  # the step wrote remainders
 
 
 @pytest.mark.parametrize("views", ["aligned", "unaligned"])

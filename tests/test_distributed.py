@@ -261,13 +261,16 @@ def _clean_name(name: str) -> str:
     return name
 
 
-def build(setup: str, *, process_group="default", **opt_kwargs):
-    """A fresh sharded model and its ruda_torch.AdamW. ``process_group="default"`` passes
-    what the setup needs: the FSDP group for FSDP1, nothing otherwise."""
+def build(setup: str, *, process_group="default", dtype=None, **opt_kwargs):
+    """A fresh sharded model (its parameters in ``dtype`` when given) and its
+    ruda_torch.AdamW. ``process_group="default"`` passes what the setup needs: the FSDP
+    group for FSDP1, nothing otherwise."""
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
     from torch.distributed.fsdp import fully_shard
 
     model = make_model()
+    if dtype is not None:
+        model = model.to(dtype)
     if setup.startswith("fsdp1"):
         from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
@@ -317,7 +320,8 @@ def full_params(setup: str, model) -> dict[str, torch.Tensor]:
 
 def backward(model, step: int, rank: int) -> None:
     x, y = local_batch(step, rank)
-    loss_fn(model(x), y).backward()
+    dtype = next(model.parameters()).dtype  # a BF16 model takes BF16 inputs
+    loss_fn(model(x.to(dtype)).float(), y).backward()
 
 
 def train(model, opt, steps, rank: int) -> list[torch.Tensor]:
@@ -339,7 +343,7 @@ def all_gather(t: torch.Tensor) -> list[torch.Tensor]:
 
 
 _BITS = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16,
-         torch.uint8: torch.uint8}  # fmt: skip
+         torch.int16: torch.int16, torch.uint8: torch.uint8}  # fmt: skip
 
 
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:

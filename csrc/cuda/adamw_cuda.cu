@@ -80,6 +80,7 @@ struct Slice {
   const G* g;
   S *m, *v, *vm;
   float* master;            // 16-bit parameters with master weights, else null
+  uint16_t* remainder;      // BF16 parameters with remainder masters, else null
   uint32_t key_mv, key_vm;  // moment_key()s of the BF16 moments' stochastic rounding
   Rounding state_rounding;
 };
@@ -140,7 +141,9 @@ __device__ inline void store_moments(S* p, const float* in, Rounding r, const ui
 
 // Element k's update with its moments in mk, vk, vmk (updated in place); the parameter
 // (and master) read and written.
-template <typename P, typename G, typename S, bool AMSGRAD>
+// REM: remainder masters (Note [Remainder master]; BF16 parameters), a kernel of their own so
+// that the other variants' code is not shaped around theirs.
+template <typename P, typename G, typename S, bool AMSGRAD, bool REM>
 __device__ inline void step_element(const Slice<P, G, S>& s, int64_t k,
                                     const StepCoefs<MathOf<P>>& c, const AdamWLaunch& L,
                                     uint32_t key, int64_t index, MathOf<P>& mk, MathOf<P>& vk,
@@ -149,13 +152,21 @@ __device__ inline void step_element(const Slice<P, G, S>& s, int64_t k,
   M pk;
   if constexpr (kIs16Bit<P>) {
     const uint16_t bits = reinterpret_cast<const uint16_t*>(s.p)[k];
-    pk = s.master != nullptr ? master_or_param<kIsHalf<P>>(s.master[k], bits, widen<P>(bits))
-                             : to_float(s.p[k]);
+    if constexpr (REM) {
+      pk = master_of_remainder(bits, s.remainder[k]);
+    } else {
+      pk = s.master != nullptr ? master_or_param<kIsHalf<P>>(s.master[k], bits, widen<P>(bits))
+                               : to_float(s.p[k]);
+    }
   } else {
     pk = s.p[k];
   }
   adamw_element<AMSGRAD, ScalarOps>(pk, to_math(s.g[k]), mk, vk, vmk, c);
-  if constexpr (kIs16Bit<P>) {
+  if constexpr (REM) {
+    const uint32_t split = split_master(pk);
+    reinterpret_cast<uint16_t*>(s.p)[k] = static_cast<uint16_t>(split >> 16);
+    s.remainder[k] = static_cast<uint16_t>(split);
+  } else if constexpr (kIs16Bit<P>) {
     if (s.master != nullptr) s.master[k] = pk;
     reinterpret_cast<uint16_t*>(s.p)[k] = round_param<kIsHalf<P>>(pk, L.rounding, key, index);
   } else {
@@ -163,12 +174,12 @@ __device__ inline void step_element(const Slice<P, G, S>& s, int64_t k,
   }
 }
 
-template <typename P, typename G, typename S, bool AMSGRAD>
+template <typename P, typename G, typename S, bool AMSGRAD, bool REM>
 __device__ inline void update_one(const Slice<P, G, S>& s, int64_t k, const StepCoefs<MathOf<P>>& c,
                                   const AdamWLaunch& L, uint32_t key, int64_t index) {
   using M = MathOf<P>;
   M mk = load_moment(s.m, k), vk = load_moment(s.v, k), vmk = AMSGRAD ? load_moment(s.vm, k) : M(0);
-  step_element<P, G, S, AMSGRAD>(s, k, c, L, key, index, mk, vk, vmk);
+  step_element<P, G, S, AMSGRAD, REM>(s, k, c, L, key, index, mk, vk, vmk);
   const MomentBits r = moment_bits<S, AMSGRAD>(s, index);
   store_moment(s.m, k, mk, s.state_rounding, r.mv);
   store_moment(s.v, k, vk, s.state_rounding, r.mv >> 16);
@@ -177,12 +188,18 @@ __device__ inline void update_one(const Slice<P, G, S>& s, int64_t k, const Step
 
 // kVec elements at k with wide accesses (FP32 and 16-bit parameters; the caller checked
 // alignment).
-template <typename P, typename G, typename S, bool AMSGRAD>
+template <typename P, typename G, typename S, bool AMSGRAD, bool REM>
 __device__ inline void update_vec(const Slice<P, G, S>& s, int64_t k, const StepCoefs<float>& c,
                                   const AdamWLaunch& L, uint32_t key, int64_t index,
                                   const volatile UnitTile& out) {
   float pv[kVec], gv[kVec], mv[kVec], vv[kVec], vmv[kVec];
-  if constexpr (kIs16Bit<P>) {
+  if constexpr (REM) {
+    uint16_t bits[kVec], low[kVec];
+    load_bits16(reinterpret_cast<const uint16_t*>(s.p + k), bits);
+    load_bits16(s.remainder + k, low);
+#pragma unroll
+    for (int j = 0; j < kVec; ++j) pv[j] = master_of_remainder(bits[j], low[j]);
+  } else if constexpr (kIs16Bit<P>) {
     if (s.master != nullptr) {
       float mv16[kVec];
       uint16_t bits[kVec];
@@ -205,7 +222,17 @@ __device__ inline void update_vec(const Slice<P, G, S>& s, int64_t k, const Step
   for (int j = 0; j < kVec; ++j) {
     adamw_element<AMSGRAD, ScalarOps>(pv[j], gv[j], mv[j], vv[j], vmv[j], c);
   }
-  if constexpr (kIs16Bit<P>) {
+  if constexpr (REM) {
+    uint16_t out[kVec], low[kVec];
+#pragma unroll
+    for (int j = 0; j < kVec; ++j) {
+      const uint32_t split = split_master(pv[j]);
+      out[j] = static_cast<uint16_t>(split >> 16);
+      low[j] = static_cast<uint16_t>(split);
+    }
+    store_bits16(s.remainder + k, low);
+    store_bits16(reinterpret_cast<uint16_t*>(s.p + k), out);
+  } else if constexpr (kIs16Bit<P>) {
     if (s.master != nullptr) store_vec<kVec>(s.master + k, pv);
     uint16_t out[kVec];
 #pragma unroll
@@ -314,7 +341,7 @@ struct TileWalk {
   }
 };
 
-template <typename P, typename G, typename S, bool AMSGRAD>
+template <typename P, typename G, typename S, bool AMSGRAD, bool REM>
 __global__ void __launch_bounds__(kThreads, kBlocksPerSm) adamw_kernel(AdamWLaunch L) {
   using M = MathOf<P>;
   const StepDecision d = decide_step(L.control);
@@ -341,6 +368,7 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm) adamw_kernel(AdamWLaun
     s.key_mv = w.key_mv;
     s.key_vm = w.key_vm;
     s.master = kIs16Bit<P> && L.master != nullptr ? L.master + state0 : nullptr;
+    s.remainder = REM ? L.remainder + state0 : nullptr;
     bool aligned = false;
     if constexpr (!std::is_same_v<P, double>) {  // FP64: scalar accesses (a rare dtype)
       // Every access kVec elements wide: the addresses' low bits together (state and
@@ -348,16 +376,17 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm) adamw_kernel(AdamWLaun
       const auto bits = [](const void* q) { return reinterpret_cast<uintptr_t>(q); };
       aligned = ((bits(s.p) % (kVec * sizeof(P))) | (bits(s.g) % (kVec * sizeof(G))) |
                  (bits(s.m) | bits(s.v) | (AMSGRAD ? bits(s.vm) : 0)) % (kVec * sizeof(S)) |
-                 (s.master != nullptr ? bits(s.master) % (kVec * sizeof(float)) : 0)) == 0;
+                 (s.master != nullptr ? bits(s.master) % (kVec * sizeof(float)) : 0) |
+                 (REM ? bits(s.remainder) % (kVec * sizeof(uint16_t)) : 0)) == 0;
     }
     if (aligned) {
       if constexpr (!std::is_same_v<P, double>) {
         for (int32_t k = static_cast<int32_t>(threadIdx.x) * kVec; k < end; k += kThreads * kVec) {
           if (k + kVec <= end) {
-            update_vec<P, G, S, AMSGRAD>(s, k, c, L, w.key, state0 + k, tile);
+            update_vec<P, G, S, AMSGRAD, REM>(s, k, c, L, w.key, state0 + k, tile);
           } else {
             for (int32_t kk = k; kk < end; ++kk) {
-              update_one<P, G, S, AMSGRAD>(
+              update_one<P, G, S, AMSGRAD, REM>(
                   s, kk, c, L, w.key, state0 + kk);  // static-check: 32-bit (the last elements)
             }
           }
@@ -367,8 +396,8 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm) adamw_kernel(AdamWLaun
       // (the tile's count read for each element: FP64 math holds twice the registers)
       const volatile UnitTile& vt = tile;
       for (int32_t k = static_cast<int32_t>(threadIdx.x); k < vt.count; k += kThreads) {
-        update_one<P, G, S, AMSGRAD>(s, k, c, L, w.key,
-                                     state0 + k);  // static-check: 32-bit (not aligned)
+        update_one<P, G, S, AMSGRAD, REM>(s, k, c, L, w.key,
+                                          state0 + k);  // static-check: 32-bit (not aligned)
       }
     }
   }
@@ -436,14 +465,16 @@ __device__ inline Tile8<P, G> tile8(const AdamWLaunch& L, const UnitTile& tile, 
 // element, `sk` its first state index, `n` its elements (kBlock8 unless kEdge). kEdge: the
 // block's n elements read and written one by one (a tensor's shorter last block, a view
 // that is not 16-byte aligned: Note [8-bit CUDA registers]).
-template <typename P, typename G, bool AMSGRAD, bool kEdge>
+template <typename P, typename G, bool AMSGRAD, bool kEdge, bool REM>
 __device__ inline void step_block8(const AdamWLaunch& L, const StepCoefs<float>& c, P* p,
                                    const G* g, float* master, int64_t sk, int n, Park8& park,
                                    const TileWalk<float>& w, const UnitTile& tile, int32_t kb) {
   constexpr int kMoments = AMSGRAD ? 3 : 2;
   const int lane = static_cast<int>(threadIdx.x % 32), tid = static_cast<int>(threadIdx.x);
   // Launch-uniform (the launch's own pointer, not the block's): one branch for all lanes.
-  const bool with_master = kIs16Bit<P> && L.master != nullptr;
+  const bool with_master = !REM && kIs16Bit<P> && L.master != nullptr;
+  // Remainder masters (REM, Note [Remainder master]): BF16 parameters, 16-bit like them.
+  P* rem = REM ? reinterpret_cast<P*>(L.remainder + sk) : nullptr;
   const int64_t b = sk / kBlock8;
   // Read before lane 0 writes the new scales: each value feeds the shuffles below.
   float sc[3];
@@ -488,16 +519,19 @@ __device__ inline void step_block8(const AdamWLaunch& L, const StepCoefs<float>&
   Quarters8<P> pq;
   Quarters8<G> gq;
   Quarters8<float> mq;
+  Quarters8<P> rq;
 #pragma unroll
   for (int h = 0; h < 4; ++h) {  // the lane's elements a quarter (2) at a time
     if constexpr (kEdge) {
       pq.load_each(p + k, h, n - k);
       gq.load_each(g + k, h, n - k);
       if (with_master) mq.load_each(master + k, h, n - k);
+      if constexpr (REM) rq.load_each(rem + k, h, n - k);
     } else {
       pq.template load<true>(p + k, h);
       gq.template load<true>(g + k, h);
       if (with_master) mq.template load<true>(master + k, h);
+      if constexpr (REM) rq.template load<true>(rem + k, h);
     }
     const float2 m2 = park.v[0][h][tid], v2 = park.v[1][h][tid];
     const float2 vm2 = AMSGRAD ? park.v[2][h][tid] : make_float2(0.0f, 0.0f);
@@ -507,15 +541,25 @@ __device__ inline void step_block8(const AdamWLaunch& L, const StepCoefs<float>&
       float pk;
       if constexpr (kIs16Bit<P>) {
         const uint16_t bits = pq.bits16(h, j);
-        pk = with_master ? master_or_param<kIsHalf<P>>(mq.value(h, j), bits, widen<P>(bits))
-                         : widen<P>(bits);
+        if constexpr (REM) {
+          pk = master_of_remainder(bits, rq.bits16(h, j));
+        } else {
+          pk = with_master ? master_or_param<kIsHalf<P>>(mq.value(h, j), bits, widen<P>(bits))
+                           : widen<P>(bits);
+        }
       } else {
         pk = pq.value(h, j);
       }
       adamw_element<AMSGRAD, ScalarOps, false>(pk, gq.value(h, j), m[j], v[j], vm[j], c);
       if constexpr (kIs16Bit<P>) {
-        if (with_master) mq.set(h, j, __float_as_uint(pk));
-        pq.set(h, j, round_param_split<kIsHalf<P>>(pk, L.rounding, high, low + k + 2 * h + j));
+        if constexpr (REM) {
+          const uint32_t split = split_master(pk);
+          pq.set(h, j, split >> 16);
+          rq.set(h, j, split & 0xFFFFu);
+        } else {
+          if (with_master) mq.set(h, j, __float_as_uint(pk));
+          pq.set(h, j, round_param_split<kIsHalf<P>>(pk, L.rounding, high, low + k + 2 * h + j));
+        }
       } else {
         pq.set(h, j, __float_as_uint(pk));
       }
@@ -534,6 +578,9 @@ __device__ inline void step_block8(const AdamWLaunch& L, const StepCoefs<float>&
           if (k + f + j < n) {
             if constexpr (kIs16Bit<P>) {
               reinterpret_cast<uint16_t*>(p)[k + f + j] = pq.bits16(h - 1 + j / 2, j % 2);
+              if constexpr (REM) {
+                reinterpret_cast<uint16_t*>(rem)[k + f + j] = rq.bits16(h - 1 + j / 2, j % 2);
+              }
             } else {
               p[k + f + j] = pq.value(h, j);
             }
@@ -547,7 +594,10 @@ __device__ inline void step_block8(const AdamWLaunch& L, const StepCoefs<float>&
         }
       }
     } else {
-      if (Quarters8<P>::stored_after(h)) pq.template store<true>(p + k, h);
+      if (Quarters8<P>::stored_after(h)) {
+        pq.template store<true>(p + k, h);
+        if constexpr (REM) rq.template store<true>(rem + k, h);
+      }
       if (with_master) mq.template store<true>(master + k, h);
     }
   }
@@ -585,7 +635,7 @@ __device__ inline void step_block8(const AdamWLaunch& L, const StepCoefs<float>&
 // The 8-bit step over a launch's tiles: the blocks the lanes access directly (kEdges
 // false: adamw8_kernel) or the others (kEdges true: adamw8_edge_kernel, staged), each in a
 // kernel of its own so that each has its own 64 registers (Note [8-bit CUDA registers]).
-template <typename P, typename G, bool AMSGRAD, bool kEdges>
+template <typename P, typename G, bool AMSGRAD, bool kEdges, bool REM>
 __device__ inline void step_tiles8(const AdamWLaunch& L) {
   const StepDecision d = decide_step(L.control);
   if (d.skip) return;  // parameters, moments and step counters stay bit-identical
@@ -597,7 +647,7 @@ __device__ inline void step_tiles8(const AdamWLaunch& L) {
   const int warp = static_cast<int>(threadIdx.x / 32), lane = static_cast<int>(threadIdx.x % 32);
   TileWalk<float>& w = walks[warp];
   UnitTile& tile = tiles[threadIdx.x];
-  const bool has_master = kIs16Bit<P> && L.master != nullptr;
+  const bool has_master = !REM && kIs16Bit<P> && L.master != nullptr;
   const double lr = learning_rate(L.hyper);  // a Tensor lr: one load
   if (lane == 0) w.init(L);
   __syncwarp();
@@ -620,7 +670,8 @@ __device__ inline void step_tiles8(const AdamWLaunch& L) {
     {
       const Tile8<P, G> b = tile8<P, G>(L, tile, has_master, 0);
       direct = is_aligned<16 / sizeof(P)>(b.p) && is_aligned<16 / sizeof(G)>(b.g) &&
-               (!has_master || is_aligned<4>(b.master));
+               (!has_master || is_aligned<4>(b.master)) &&
+               (!REM || is_aligned<8>(L.remainder + b.state));
       for (int q = 0; q < (AMSGRAD ? 3 : 2); ++q) {
         direct = direct && is_aligned<8>(codes8(L, q, b.state));
       }
@@ -632,27 +683,27 @@ __device__ inline void step_tiles8(const AdamWLaunch& L) {
       const volatile UnitTile& vt = tile;
       for (int32_t kb = whole + warp * kBlock; kb < vt.count; kb += kWarps8 * kBlock) {
         const Tile8<P, G> b = tile8<P, G>(L, tile, has_master, kb);
-        step_block8<P, G, AMSGRAD, true>(L, c, b.p, b.g, b.master, b.state,
-                                         min(kBlock, vt.count - kb), park, w, tile, kb);
+        step_block8<P, G, AMSGRAD, true, REM>(L, c, b.p, b.g, b.master, b.state,
+                                              min(kBlock, vt.count - kb), park, w, tile, kb);
       }
     } else {
       for (int32_t kb = warp * kBlock; kb < whole; kb += kWarps8 * kBlock) {
         const Tile8<P, G> b = tile8<P, G>(L, tile, has_master, kb);
-        step_block8<P, G, AMSGRAD, false>(L, c, b.p, b.g, b.master, b.state, kBlock, park, w, tile,
-                                          kb);
+        step_block8<P, G, AMSGRAD, false, REM>(L, c, b.p, b.g, b.master, b.state, kBlock, park, w,
+                                               tile, kb);
       }
     }
   }
 }
 
-template <typename P, typename G, bool AMSGRAD>
+template <typename P, typename G, bool AMSGRAD, bool REM>
 __global__ void __launch_bounds__(kThreads8, kBlocksPerSm8) adamw8_kernel(AdamWLaunch L) {
-  step_tiles8<P, G, AMSGRAD, false>(L);
+  step_tiles8<P, G, AMSGRAD, false, REM>(L);
 }
 
-template <typename P, typename G, bool AMSGRAD>
+template <typename P, typename G, bool AMSGRAD, bool REM>
 __global__ void __launch_bounds__(kThreads8, kBlocksPerSm8) adamw8_edge_kernel(AdamWLaunch L) {
-  step_tiles8<P, G, AMSGRAD, true>(L);
+  step_tiles8<P, G, AMSGRAD, true, REM>(L);
 }
 
 template <typename Kernel>
@@ -664,23 +715,34 @@ void launch_tiles8(Kernel kernel, const AdamWLaunch& L, cudaStream_t stream) {
 
 // Both 8-bit kernels read the counters and the old scales of their own blocks only: they
 // step disjoint blocks, in either order.
-template <typename P, typename G>
+template <typename P, typename G, bool REM>
 void launch_8bit(const AdamWLaunch& L, cudaStream_t stream) {
   if (L.amsgrad) {
-    launch_tiles8(adamw8_kernel<P, G, true>, L, stream);
-    if (L.edges8) launch_tiles8(adamw8_edge_kernel<P, G, true>, L, stream);
+    launch_tiles8(adamw8_kernel<P, G, true, REM>, L, stream);
+    if (L.edges8) launch_tiles8(adamw8_edge_kernel<P, G, true, REM>, L, stream);
   } else {
-    launch_tiles8(adamw8_kernel<P, G, false>, L, stream);
-    if (L.edges8) launch_tiles8(adamw8_edge_kernel<P, G, false>, L, stream);
+    launch_tiles8(adamw8_kernel<P, G, false, REM>, L, stream);
+    if (L.edges8) launch_tiles8(adamw8_edge_kernel<P, G, false, REM>, L, stream);
   }
 }
 
-template <typename P, typename G, typename S>
+template <typename P, typename G, typename S, bool REM>
 void launch_state(const AdamWLaunch& L, cudaStream_t stream) {
-  const auto kernel = L.amsgrad ? adamw_kernel<P, G, S, true> : adamw_kernel<P, G, S, false>;
+  const auto kernel =
+      L.amsgrad ? adamw_kernel<P, G, S, true, REM> : adamw_kernel<P, G, S, false, REM>;
   const int64_t grid = std::min<int64_t>(L.n_units, max_resident_blocks(kernel, kThreads));
   launch_kernel(kernel, static_cast<unsigned>(grid), kThreads, stream, L);
   RUDA_CUDA_CHECK_LAUNCH();
+}
+
+// The moments' storage type and the kind of master: remainder masters (BF16 parameters
+// only, the binding checks) get kernels of their own.
+template <typename P, typename G, typename S>
+void launch_state_of(const AdamWLaunch& L, cudaStream_t stream) {
+  if constexpr (std::is_same_v<P, __nv_bfloat16>) {
+    if (L.remainder != nullptr) return launch_state<P, G, S, true>(L, stream);
+  }
+  launch_state<P, G, S, false>(L, stream);
 }
 
 // The moments' storage type: the math type, or BF16 (not for FP64 parameters: the binding
@@ -689,10 +751,15 @@ template <typename P, typename G>
 void launch(const AdamWLaunch& L, cudaStream_t stream) {
   if (L.n_units == 0) return;
   if constexpr (!std::is_same_v<P, double>) {
-    if (L.state_dtype == DType::kBFloat16) return launch_state<P, G, __nv_bfloat16>(L, stream);
-    if (L.state_dtype == DType::kUInt8) return launch_8bit<P, G>(L, stream);
+    if (L.state_dtype == DType::kBFloat16) return launch_state_of<P, G, __nv_bfloat16>(L, stream);
+    if (L.state_dtype == DType::kUInt8) {
+      if constexpr (std::is_same_v<P, __nv_bfloat16>) {
+        if (L.remainder != nullptr) return launch_8bit<P, G, true>(L, stream);
+      }
+      return launch_8bit<P, G, false>(L, stream);
+    }
   }
-  launch_state<P, G, MathOf<P>>(L, stream);
+  launch_state_of<P, G, MathOf<P>>(L, stream);
 }
 
 // The gradient dtypes each parameter dtype takes (checked by the binding).

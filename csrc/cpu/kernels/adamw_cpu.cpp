@@ -181,6 +181,23 @@ inline Vec master_or_param_bf16(const Vec& master, const Vec& widened) {
   return Vec::blendv(widened, master, at::vec::cast<float>(low16(round_bf16_vec(master)) == param));
 }
 
+// Note [Remainder master] (adamw_math.h) on a vector of lanes: the masters of BF16
+// parameters from their remainders. A BF16 value's bits widened to FP32 are its bits
+// shifted up 16, so load_fp32 of the int16 remainders read as BF16 gives each lane's
+// remainder in its high half, which at::vec's arithmetic shift brings down sign-extended.
+// (The split back is a scalar loop, as the master path's rounding: on a 2-core Zen 1 the
+// vector split and two narrowing stores took the step 15% over master_weights=True's, the
+// scalar loop 15% under it; a scalar load measured 28% over.)
+inline Vec master_of_remainder_vec(const c10::BFloat16* p, const uint16_t* remainder) {
+  const VI high = at::vec::cast<int32_t>(cpu::load_fp32<c10::BFloat16>(p));
+  const VI low = at::vec::cast<int32_t>(cpu::load_fp32<c10::BFloat16>(
+                     reinterpret_cast<const c10::BFloat16*>(remainder))) >>
+                 VI(16);
+  const VI bits = high + low;
+  const VI wrapped = (bits ^ high) < VI(0);  // a +-0 over a negative remainder: the parameter
+  return at::vec::cast<float>(VI::blendv(bits, high, wrapped));
+}
+
 // Software prefetch distance of the update loop, in elements (16 KiB of FP32 state).
 // The loop streams four or five arrays at once; on a 2-core AVX2 machine the hardware
 // prefetchers alone left the step 4-7% slower than with this (measured against
@@ -275,13 +292,17 @@ void update_span(const AdamWLaunch& L, const TensorEntry& e, const StepCoefs<Mat
   const uint32_t key_mv = moment_key(L.seed, t, Moment::kAverages);
   const uint32_t key_vm = moment_key(L.seed, t, Moment::kMaxExpAvgSq);
   float* master = kIs16Bit<P> && L.master != nullptr ? L.master + off : nullptr;
+  constexpr bool kBf16Param = std::is_same_v<P, c10::BFloat16>;
+  uint16_t* remainder = kBf16Param && L.remainder != nullptr ? L.remainder + off : nullptr;
   uint16_t* p16 = reinterpret_cast<uint16_t*>(p);
   const uint32_t key = rounding_key(L.seed, t);
   const StepCoefs<V> cv = broadcast(c);
   auto update_vec = [&](int64_t k) {
     V pv;
     if constexpr (kIs16Bit<P>) {
-      if (master != nullptr && std::is_same_v<P, c10::BFloat16>) {
+      if (kBf16Param && remainder != nullptr) {
+        pv = master_of_remainder_vec(reinterpret_cast<const c10::BFloat16*>(p + k), remainder + k);
+      } else if (master != nullptr && kBf16Param) {
         pv = master_or_param_bf16(Vec::loadu(master + k), cpu::load_fp32<P>(p + k));
       } else if (master != nullptr) {
         alignas(64) float in[W];
@@ -300,9 +321,17 @@ void update_span(const AdamWLaunch& L, const TensorEntry& e, const StepCoefs<Mat
     if constexpr (kIs16Bit<P>) {
       alignas(64) float out[W];
       pv.store(out);
-      if (master != nullptr) pv.store(master + k);
-      for (int64_t j = 0; j < W; ++j) {
-        p16[k + j] = round_param<kIsHalf<P>>(out[j], L.rounding, key, off + k + j);
+      if (kBf16Param && remainder != nullptr) {
+        for (int64_t j = 0; j < W; ++j) {
+          const uint32_t split = split_master(out[j]);
+          p16[k + j] = static_cast<uint16_t>(split >> 16);
+          remainder[k + j] = static_cast<uint16_t>(split);
+        }
+      } else {
+        if (master != nullptr) pv.store(master + k);
+        for (int64_t j = 0; j < W; ++j) {
+          p16[k + j] = round_param<kIsHalf<P>>(out[j], L.rounding, key, off + k + j);
+        }
       }
     } else {
       pv.store(p + k);
@@ -330,6 +359,7 @@ void update_span(const AdamWLaunch& L, const TensorEntry& e, const StepCoefs<Mat
       __builtin_prefetch(v.base + (k - v.origin) + kPrefetchElems, 1);
       if (AMSGRAD) __builtin_prefetch(vm.base + (k - vm.origin) + kPrefetchElems, 1);
       if (master != nullptr) __builtin_prefetch(master + k + kPrefetchElems, 1);
+      if (remainder != nullptr) __builtin_prefetch(remainder + k + kPrefetchElems, 1);
       for (int64_t j = k; j < k + kLineElems; j += W) update_vec(j);
     }
     for (; k + W <= end; k += W) update_vec(k);
@@ -338,15 +368,22 @@ void update_span(const AdamWLaunch& L, const TensorEntry& e, const StepCoefs<Mat
     M mk = m.get(k), vk = v.get(k), vmk = AMSGRAD ? vm.get(k) : M(0);
     M pk;
     if constexpr (kIs16Bit<P>) {
-      pk = master != nullptr ? master_or_param<kIsHalf<P>>(master[k], p16[k], widen<P>(p16[k]))
-                             : static_cast<float>(p[k]);
+      pk = remainder != nullptr ? master_of_remainder(p16[k], remainder[k])
+           : master != nullptr  ? master_or_param<kIsHalf<P>>(master[k], p16[k], widen<P>(p16[k]))
+                                : static_cast<float>(p[k]);
     } else {
       pk = p[k];
     }
     adamw_element<AMSGRAD, ScalarOps>(pk, static_cast<M>(g[k]), mk, vk, vmk, c);
     if constexpr (kIs16Bit<P>) {
-      if (master != nullptr) master[k] = pk;
-      p16[k] = round_param<kIsHalf<P>>(pk, L.rounding, key, off + k);
+      if (remainder != nullptr) {
+        const uint32_t split = split_master(pk);
+        p16[k] = static_cast<uint16_t>(split >> 16);
+        remainder[k] = static_cast<uint16_t>(split);
+      } else {
+        if (master != nullptr) master[k] = pk;
+        p16[k] = round_param<kIsHalf<P>>(pk, L.rounding, key, off + k);
+      }
     } else {
       p[k] = pk;
     }
