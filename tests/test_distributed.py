@@ -686,6 +686,26 @@ def _restore(flow: str, setup: str, model, opt, path: str, rank: int) -> None:
         raise AssertionError(flow)
 
 
+def resume_bit_for_bit(flow: str, setup: str, model, opt, path: str, rank: int, **build_kw):
+    """Save ``model``/``opt`` (after SAVE_AFTER steps) by ``flow``, train on to STEPS; restore
+    into a fresh ``build(setup, **build_kw)`` and train the same steps: the restored and the
+    final parameters, state and reports bit-identical. Returns the fresh pair and the
+    final parameters and state."""
+    saved_params, saved_state = local_params(model), local_state(model, opt)
+    _save(flow, setup, model, opt, path, rank)
+    expected = train(model, opt, range(SAVE_AFTER, STEPS), rank)
+    expected_params, expected_state = local_params(model), local_state(model, opt)
+    fresh, fresh_opt = build(setup, **build_kw)
+    _restore(flow, setup, fresh, fresh_opt, path, rank)
+    assert_same_bits(local_state(fresh, fresh_opt), saved_state, f"{flow}: restored state")
+    assert_same_bits(local_params(fresh), saved_params, f"{flow}: restored parameters")
+    reports = train(fresh, fresh_opt, range(SAVE_AFTER, STEPS), rank)
+    assert_same_bits(reports, expected, f"{flow}: reports after resuming")
+    assert_same_bits(local_params(fresh), expected_params, f"{flow}: final parameters")
+    assert_same_bits(local_state(fresh, fresh_opt), expected_state, f"{flow}: final state")
+    return fresh, fresh_opt, expected_params, expected_state
+
+
 def scenario_checkpoint(rank: int, workdir: str, setup: str, flows: tuple[str, ...]) -> None:
     """Save after SAVE_AFTER steps (every flow), finish the run; then per flow: a fresh
     model and optimizer, restore, run the remaining steps; everything bit-identical."""

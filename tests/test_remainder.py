@@ -483,18 +483,7 @@ def scenario_remainder_sharded(rank: int, workdir: str, setup: str, flow: str | 
     bit for bit, and the masters are those of master_weights=True on the same mesh."""
     import os
 
-    from test_distributed import (
-        SAVE_AFTER,
-        STEPS,
-        _local,
-        _restore,
-        _save,
-        assert_same_bits,
-        build,
-        local_params,
-        local_state,
-        train,
-    )  # fmt: skip
+    from test_distributed import SAVE_AFTER, _local, build, resume_bit_for_bit, train
 
     kw = dict(dtype=BF16, master_weights="remainder", state_precision=precision, min_8bit_size=1)
     path = os.path.join(workdir, f"ckpt-{flow}")
@@ -522,18 +511,7 @@ def scenario_remainder_sharded(rank: int, workdir: str, setup: str, flow: str | 
         # dict, and DCP's through it), and neither gloo nor NCCL gathers int16: the
         # documented limit (docs/usage.md). Stepping is unaffected.
         return
-    saved_params, saved_state = local_params(model), local_state(model, opt)
-    _save(flow, setup, model, opt, path, rank)
-    expected = train(model, opt, range(SAVE_AFTER, STEPS), rank)
-    expected_params, expected_state = local_params(model), local_state(model, opt)
-    fresh, fresh_opt = build(setup, **kw)
-    _restore(flow, setup, fresh, fresh_opt, path, rank)
-    assert_same_bits(local_state(fresh, fresh_opt), saved_state, f"{flow}: restored state")
-    assert_same_bits(local_params(fresh), saved_params, f"{flow}: restored parameters")
-    reports = train(fresh, fresh_opt, range(SAVE_AFTER, STEPS), rank)
-    assert_same_bits(reports, expected, f"{flow}: reports after resuming")
-    assert_same_bits(local_params(fresh), expected_params, f"{flow}: final parameters")
-    assert_same_bits(local_state(fresh, fresh_opt), expected_state, f"{flow}: final state")
+    resume_bit_for_bit(flow, setup, model, opt, path, rank, **kw)
 
 
 @pytest.mark.parametrize("precision", ["fp32", "8bit"])

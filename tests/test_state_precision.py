@@ -434,13 +434,12 @@ def scenario_low_precision_sharded(
         SAVE_AFTER,
         STEPS,
         _local,
-        _restore,
-        _save,
         assert_same_bits,
         backward,
         build,
         local_params,
         local_state,
+        resume_bit_for_bit,
         train,
     )  # fmt: skip
 
@@ -459,18 +458,9 @@ def scenario_low_precision_sharded(
                 for k, dtype in zip(keys, dtypes, strict=True):
                     assert _local(st[k]).dtype == dtype, k
                     assert hasattr(st[k], "to_local") == hasattr(p, "to_local"), k  # DTensors
-    saved_params, saved_state = local_params(model), local_state(model, opt)
-    _save(flow, setup, model, opt, path, rank)
-    expected = train(model, opt, range(SAVE_AFTER, STEPS), rank)
-    expected_params, expected_state = local_params(model), local_state(model, opt)
-    fresh, fresh_opt = build(setup, **kw)
-    _restore(flow, setup, fresh, fresh_opt, path, rank)
-    assert_same_bits(local_state(fresh, fresh_opt), saved_state, f"{flow}: restored state")
-    assert_same_bits(local_params(fresh), saved_params, f"{flow}: restored parameters")
-    reports = train(fresh, fresh_opt, range(SAVE_AFTER, STEPS), rank)
-    assert_same_bits(reports, expected, f"{flow}: reports after resuming")
-    assert_same_bits(local_params(fresh), expected_params, f"{flow}: final parameters")
-    assert_same_bits(local_state(fresh, fresh_opt), expected_state, f"{flow}: final state")
+    fresh, fresh_opt, expected_params, expected_state = resume_bit_for_bit(
+        flow, setup, model, opt, path, rank, **kw
+    )
     # A non-finite gradient on one rank skips every rank's step.
     backward(fresh, STEPS, rank)
     if rank == 1:
