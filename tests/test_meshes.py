@@ -136,7 +136,8 @@ class Layout:
 
     def backward(self, step: int) -> None:
         x, y = global_batch(step)
-        loss_fn(self.model(x[self.rows]), y[self.rows]).backward()
+        dtype = next(self.model.parameters()).dtype  # a BF16 model takes BF16 inputs
+        loss_fn(self.model(x[self.rows].to(dtype)).float(), y[self.rows]).backward()
 
 
 class TensorParallel(Layout):
@@ -144,7 +145,7 @@ class TensorParallel(Layout):
     head Colwise (their dp placement is _StridedShard), down Rowwise (its bias Replicate on
     tp), the LayerNorms Replicate on tp; one param group mixes all these scopes."""
 
-    def __init__(self, rank: int):
+    def __init__(self, rank: int, dtype=None):
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
         from torch.distributed.tensor import DTensor, Replicate, distribute_module
@@ -163,7 +164,7 @@ class TensorParallel(Layout):
         def local_out(_module, out, _mesh):
             return out.to_local()
 
-        model = make_model()
+        model = make_model() if dtype is None else make_model().to(dtype)
         for block in model[:2]:
             parallelize_module(block, tp, {"up": ColwiseParallel(), "down": RowwiseParallel()})
             distribute_module(block.norm, tp, input_fn=replicate_in, output_fn=local_out)
@@ -182,12 +183,12 @@ class HSDP(Layout):
     """fully_shard on a (replicate=2, shard=2) mesh: placements (Replicate, Shard(0)),
     uneven shards; every rank trains on its own quarter of the batch."""
 
-    def __init__(self, rank: int):
+    def __init__(self, rank: int, dtype=None):
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
         mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
-        model = make_model()
+        model = make_model() if dtype is None else make_model().to(dtype)
         for block in model[:2]:
             fully_shard(block, mesh=mesh)
         fully_shard(model, mesh=mesh)
@@ -253,8 +254,8 @@ class Pipeline(Layout):
 
 
 LAYOUTS = {
-    "tensor-parallel": lambda rank: TensorParallel(rank),
-    "hsdp": lambda rank: HSDP(rank),
+    "tensor-parallel": lambda rank, dtype=None: TensorParallel(rank, dtype),
+    "hsdp": lambda rank, dtype=None: HSDP(rank, dtype),
     "pipeline": lambda rank: Pipeline(rank, dp=1),
     "pipeline-fsdp2": lambda rank: Pipeline(rank, dp=2),
 }
@@ -501,3 +502,39 @@ def check_8bit_layout(rank: int, workdir: str, layout_name: str) -> None:
 @pytest.mark.parametrize("layout", ["tensor-parallel", "hsdp"])
 def test_8bit_moments_on_four_ranks(tmp_path, layout):
     run_scenario(tmp_path, "test_meshes:check_8bit_layout", world=4, layout_name=layout)
+
+
+def check_remainder_layout(rank: int, workdir: str, layout_name: str) -> None:
+    """A BF16 model with remainder masters on a mesh (Note [Remainder master] in
+    csrc/adamw_math.h): every remainder is a DTensor with its parameter's placements and
+    local shape, every rank takes the same skip and clip decisions, and the FP32 masters
+    are master_weights=True's on the same mesh (but for its even ties: a few in 10^4)."""
+    from ruda_torch._remainder import master_from_remainder
+
+    runs = {}
+    for master in ("remainder", True):
+        layout = LAYOUTS[layout_name](rank, dtype=torch.bfloat16)
+        opt = ruda_torch.AdamW(layout.params(), **HP, fused_step=True, hierarchical_stats=True,
+                               max_grad_norm=MAX_GRAD_NORM, master_weights=master)  # fmt: skip
+        for step in range(STEPS):
+            layout.backward(step)
+            opt.step()
+            for other in world_gather(opt.last_report.tensor):
+                assert same_bits(other, opt.last_report.tensor), (master, step)
+            opt.zero_grad(set_to_none=True)
+        runs[master] = (layout, opt)
+    (layout, opt), (twin, twin_opt) = runs["remainder"], runs[True]
+    for p, q in zip(layout.params(), twin.params(), strict=True):
+        r = opt.state[p]["master_remainder"]
+        assert r.dtype == torch.int16 and "master_param" not in opt.state[p]
+        if hasattr(p, "placements"):
+            assert r.placements == p.placements and r.shape == p.shape
+        mine = master_from_remainder(_local(p), _local(r))
+        theirs = _local(twin_opt.state[q]["master_param"])
+        differ = int((mine.view(torch.int32) != theirs.view(torch.int32)).sum())
+        assert differ <= max(2, mine.numel() // 10000), differ
+
+
+@pytest.mark.parametrize("layout", ["tensor-parallel", "hsdp"])
+def test_remainder_masters_on_four_ranks(tmp_path, layout):
+    run_scenario(tmp_path, "test_meshes:check_remainder_layout", world=4, layout_name=layout)
