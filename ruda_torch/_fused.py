@@ -223,9 +223,13 @@ class Bucket:
     @property
     def foreign_keys(self) -> tuple[str, ...]:
         """The other form of this bucket's moments (and of its master): never in an entry
-        it owns."""
-        other = (*MASTER_KEYS,) if self.master is not None else ()
-        other = tuple(k for k in other if k != self.master_key)
+        it owns. Without a master, a remainder goes too: kept, it would no longer match the
+        parameter it was split from when a later group with master_weights="remainder" took
+        it up again (an FP32 master is kept, as before: True checks it element by element)."""
+        if self.master is None:
+            other = (REMAINDER_KEY,)
+        else:
+            other = tuple(k for k in MASTER_KEYS if k != self.master_key)
         if self.eight_bit:
             return (*self.moments, *other)
         return (*pair_keys(self.moments), *other)

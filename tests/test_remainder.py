@@ -393,6 +393,38 @@ def test_a_checkpoint_loaded_in_place_restores_parameter_and_remainder_together(
         assert torch.equal(_bits16(a), _bits16(b))
 
 
+def test_switching_master_weights_between_steps_converts_or_drops_the_master():
+    """True -> "remainder" -> False -> "remainder" between steps: the FP32 master becomes
+    its remainder, then without a master the remainder is dropped from the state (it would
+    not match the parameters any more), and a new one starts from the parameters."""
+    ps = _model(6)
+    opt = ruda_torch.AdamW(ps, lr=1e-3, fused_step=True, master_weights=True)
+
+    def step(k):
+        for p, g in zip(ps, _grads(k, ps), strict=True):
+            p.grad = g
+        opt.step()
+
+    step(0)
+    before = {p: m.clone() for p, m in master_weights_of(opt).items()}
+    opt.param_groups[0]["master_weights"] = "remainder"
+    step(1)
+    assert all("master_remainder" in opt.state[p] and "master_param" not in opt.state[p]
+               for p in ps)  # fmt: skip
+    assert set(master_weights_of(opt)) == set(before)
+    opt.param_groups[0]["master_weights"] = False
+    step(2)
+    assert all("master_remainder" not in opt.state[p] for p in ps)
+    opt.param_groups[0]["master_weights"] = "remainder"
+    opt.param_groups[0]["lr"] = 0.0  # a step that moves nothing: the master stays put
+    start = [p.detach().clone() for p in ps]
+    step(3)
+    # The new masters are the parameters (remainders 0), not the dropped remainders.
+    for p, p0 in zip(ps, start, strict=True):
+        assert torch.equal(_bits16(p), _bits16(p0))
+        assert not opt.state[p]["master_remainder"].any()
+
+
 def test_a_write_the_version_counter_misses_keeps_the_written_value():
     """p.data.copy_ is not seen by p's version counter: the master is then the written
     value plus the old low half, which rounds to it: the write is kept, never undone."""
