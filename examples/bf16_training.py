@@ -1,5 +1,6 @@
-"""A BF16 model trained with FP32 master weights, stochastic rounding, plain rounding and
-torch's fused BF16 AdamW, against the same model trained in FP32.
+"""A BF16 model trained with FP32 master weights (whole, or as 2-byte remainders),
+stochastic rounding, plain rounding and torch's fused BF16 AdamW, against the same model
+trained in FP32.
 
 A two-layer MLP learns a fixed random teacher network (regression, no noise) from the
 same initialization and the same batches in every run. The BF16 runs keep the model in
@@ -50,6 +51,10 @@ RUNS = {
     "bf16 ours, master weights": (
         torch.bfloat16,
         lambda p: ruda_torch.AdamW(p, **HYPER, fused_step=True, master_weights=True),
+    ),
+    "bf16 ours, remainder master": (
+        torch.bfloat16,
+        lambda p: ruda_torch.AdamW(p, **HYPER, fused_step=True, master_weights="remainder"),
     ),
 }
 
@@ -119,7 +124,7 @@ def main(argv=None) -> int:
         import matplotlib.pyplot as plt
 
         fig, (ax, gap) = plt.subplots(1, 2, figsize=(11, 4.2))
-        styles = ["-", "--", ":", "-.", (0, (1, 3))]
+        styles = ["-", "--", ":", "-.", (0, (1, 3)), (0, (6, 2))]
         for r, style in zip(results, styles, strict=True):
             steps, vals = zip(*r["evals"], strict=True)
             ax.plot(steps, vals, linestyle=style, linewidth=2, label=r["name"])
