@@ -461,6 +461,16 @@ def test_placements_by_meaning(tmp_path):
     run_scenario(tmp_path, "test_meshes:scenario_placement_meaning", world=WORLD)
 
 
+def train_agreeing(layout, opt, what) -> None:
+    """STEPS steps of ``layout`` with ``opt``: every rank's report the same bits after each."""
+    for step in range(STEPS):
+        layout.backward(step)
+        opt.step()
+        for other in world_gather(opt.last_report.tensor):
+            assert same_bits(other, opt.last_report.tensor), (what, step)
+        opt.zero_grad(set_to_none=True)
+
+
 def check_8bit_layout(rank: int, workdir: str, layout_name: str) -> None:
     """8-bit moments on a mesh (Note [8-bit DTensor state] in ruda_torch/_state8bit.py): every
     parameter's codes are a DTensor with its placements, its scales one row per shard;
@@ -474,12 +484,7 @@ def check_8bit_layout(rank: int, workdir: str, layout_name: str) -> None:
         opt = ruda_torch.AdamW(layout.params(), **HP, fused_step=True, hierarchical_stats=True,
                                max_grad_norm=MAX_GRAD_NORM, partition_group=group,
                                state_precision=precision, min_8bit_size=1)  # fmt: skip
-        for step in range(STEPS):
-            layout.backward(step)
-            opt.step()
-            for other in world_gather(opt.last_report.tensor):
-                assert same_bits(other, opt.last_report.tensor), (precision, step)
-            opt.zero_grad(set_to_none=True)
+        train_agreeing(layout, opt, precision)
         runs[precision] = (layout, opt)
     layout, opt = runs["8bit"]
     for p in layout.params():
@@ -516,12 +521,7 @@ def check_remainder_layout(rank: int, workdir: str, layout_name: str) -> None:
         layout = LAYOUTS[layout_name](rank, dtype=torch.bfloat16)
         opt = ruda_torch.AdamW(layout.params(), **HP, fused_step=True, hierarchical_stats=True,
                                max_grad_norm=MAX_GRAD_NORM, master_weights=master)  # fmt: skip
-        for step in range(STEPS):
-            layout.backward(step)
-            opt.step()
-            for other in world_gather(opt.last_report.tensor):
-                assert same_bits(other, opt.last_report.tensor), (master, step)
-            opt.zero_grad(set_to_none=True)
+        train_agreeing(layout, opt, master)
         runs[master] = (layout, opt)
     (layout, opt), (twin, twin_opt) = runs["remainder"], runs[True]
     for p, q in zip(layout.params(), twin.params(), strict=True):
