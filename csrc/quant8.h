@@ -14,8 +14,10 @@
 //             1.94 at 2^-5 relative spacing, subnormals down to 2^-18; a positive value
 //             never gets the code of zero (it rounds up to 2^-18 instead).
 // Encoding is round to nearest, ties to the even code, done on the bits of q (the same
-// integer operations on both backends, no table, no search); decoding is exact to FP32
-// and then multiplied by the scale (one correctly rounded product). Why these codes and
+// integer operations on both backends, no table, no search; the CPU's AVX2 and AVX-512
+// builds convert through FP16 instead, the same bits: Note [8-bit codes through FP16] in
+// cpu/kernels/quant8_vec.h); decoding is exact to FP32 and then multiplied by the scale
+// (one correctly rounded product). Why these codes and
 // not the peers' dynamic-exponent map (bitsandbytes, torchao; 256 table entries found by
 // a binary search): measured on the moments of a byte-level language model trained on the
 // standard library's sources (benchmarks/quant8_error.py, docs/performance.md), the

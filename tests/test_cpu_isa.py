@@ -145,3 +145,61 @@ def test_environment_selects_the_build(variable):
     )  # fmt: skip
     assert run.returncode == 0, run.stderr
     assert run.stdout.strip() == "default"
+
+
+def _codec_inputs(code: str) -> torch.Tensor:
+    """Values q of every class the 8-bit codec rounds differently (Note [8-bit codes
+    through FP16] in csrc/cpu/kernels/quant8_vec.h): every FP16 value below 2 (and, for
+    the signed code, times 2^8: the FP16 grid it converts on) with its FP32 neighbours,
+    every midpoint between adjacent codes with its neighbours, FP32 subnormals, zeros,
+    and random bit patterns in [0, 1]; signs random for the signed code."""
+    gen = torch.Generator().manual_seed(5)
+    halves = torch.arange(0, 0x4000, dtype=torch.int16).view(torch.float16).float()
+    grids = [halves, halves * 256.0] if code == "signed" else [halves]
+    decoded = ruda_torch.ops.dequantize_8bit(
+        torch.arange(256, dtype=torch.uint8), torch.ones(1), code
+    ).abs()
+    codes = torch.unique(decoded[torch.isfinite(decoded)])
+    mids = (codes[1:].double() + codes[:-1].double()).div(2).float()  # exact in FP32
+    base = torch.cat([*grids, codes, mids])
+    bits = base.view(torch.int32)
+    near = torch.cat([bits + d for d in (-2, -1, 0, 1, 2)]).clamp(0, 0x3F800000)
+    patterns = torch.randint(0, 0x3F800001, (1 << 20,), generator=gen, dtype=torch.int32)
+    tiny = torch.arange(0, 4096, dtype=torch.int32)  # FP32 subnormals and +0
+    q = torch.cat([near, patterns, tiny]).view(torch.float32)
+    if code == "signed":
+        q = torch.where(torch.rand(q.shape, generator=gen) < 0.5, -q, q)
+    # Blocks of 256 whose largest magnitude is 1: scale 1, inverse 1, so the codec sees q.
+    rows = (q.numel() + 254) // 255
+    values = torch.zeros(rows * 255)
+    values[: q.numel()] = q
+    return torch.cat([torch.ones(rows, 1), values.view(rows, 255)], dim=1).view(-1)
+
+
+@pytest.fixture(params=[False, True], ids=["denormals", "flush-denormals"])
+def flush_denormal(request):
+    """torch.set_flush_denormal (MXCSR's DAZ and FTZ on x86): the codes must not change."""
+    if request.param and not torch.set_flush_denormal(True):
+        pytest.skip("this CPU has no denormal flushing")
+    yield request.param
+    torch.set_flush_denormal(False)
+
+
+@pytest.mark.parametrize("isa", RUNNABLE)
+@pytest.mark.parametrize("code", ["signed", "unsigned"])
+def test_8bit_codec_gives_the_default_bits_on_every_class_of_value(
+    isa, code, restore_isa, flush_denormal
+):
+    x = _codec_inputs(code)
+    results = {}
+    for build in dict.fromkeys(["default", isa]):
+        assert _build.use_cpu_isa(build) == build
+        codes, scales = ruda_torch.ops.quantize_8bit(x, code)
+        results[build] = (codes, scales, ruda_torch.ops.dequantize_8bit(codes, scales, code))
+    torch.set_flush_denormal(False)
+    assert torch.equal(results[isa][0], results["default"][0]), f"{isa}: codes differ"
+    for got, want in zip(results[isa][1:], results["default"][1:], strict=True):
+        assert torch.equal(_bits(got), _bits(want))
+    # Not a vacuous comparison: every code of a value in [-1, 1] occurs (signed: 113
+    # magnitudes 0 .. 0x70, each with both signs but 0; unsigned: 0 .. 0xF0).
+    assert len(torch.unique(results[isa][0])) == (225 if code == "signed" else 241)

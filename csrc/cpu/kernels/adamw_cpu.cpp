@@ -33,7 +33,14 @@ struct VecOps {
   }
   // Note [Canonical NaN]: lanes where x != x get the canonical NaN.
   static inline Vec canonical(const Vec& x) {
+#if defined(CPU_CAPABILITY_AVX512)
+    // A compare into a mask register and a masked blend: at::vec's `x != x` makes a
+    // vector of the mask and blendv a mask of it again (4 instructions, measured on Zen 4).
+    return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), x,
+                                _mm512_set1_ps(ScalarOps::canonical_nan<float>()));
+#else
     return Vec::blendv(x, Vec(ScalarOps::canonical_nan<float>()), x != x);
+#endif
   }
   static inline VecD canonical(const VecD& x) {
     return VecD::blendv(x, VecD(ScalarOps::canonical_nan<double>()), x != x);
@@ -226,6 +233,7 @@ struct MomentStore {
 
   using V = at::vec::Vectorized<M>;
   static constexpr bool kBf16 = std::is_same_v<S, c10::BFloat16>;
+  static constexpr bool kCanonical = true;  // Note [Canonical NaN]
 
   inline V load(int64_t k) const {
     if constexpr (kBf16) {
@@ -274,10 +282,17 @@ inline std::pair<VI, VI> moment_bits_vec(uint32_t key_mv, uint32_t key_vm, int64
 
 // Elements [begin, end) of one tensor at step t, its moments in m, v, vm (MomentStores, or
 // Code8Moments).
-template <typename P, typename G, bool AMSGRAD, typename StoreM, typename StoreV>
+// `after(k)` runs after each vector of elements from k is stepped (Note [One pass per
+// 8-bit block]: the previous block's codes).
+struct NoHook {
+  inline void operator()(int64_t) const {}
+};
+
+template <typename P, typename G, bool AMSGRAD, typename StoreM, typename StoreV,
+          typename Hook = NoHook>
 void update_span(const AdamWLaunch& L, const TensorEntry& e, const StepCoefs<MathOf<P>>& c,
                  int64_t t, int64_t begin, int64_t end, const StoreM m, const StoreV v,
-                 const StoreV vm) {
+                 const StoreV vm, const Hook& after = Hook{}) {
   // The stores by value: locals the compiler knows no parameter store can change, so
   // their pointers stay in registers (as when this loop built them itself).
   using M = MathOf<P>;
@@ -317,7 +332,7 @@ void update_span(const AdamWLaunch& L, const TensorEntry& e, const StepCoefs<Mat
     }
     V mv = m.load(k), vv = v.load(k);
     V vmv = AMSGRAD ? vm.load(k) : V(M(0));
-    adamw_element<AMSGRAD, VecOps>(pv, load_grad<M>(g + k), mv, vv, vmv, cv);
+    adamw_element<AMSGRAD, VecOps, StoreM::kCanonical>(pv, load_grad<M>(g + k), mv, vv, vmv, cv);
     if constexpr (kIs16Bit<P>) {
       alignas(64) float out[W];
       pv.store(out);
@@ -360,9 +375,15 @@ void update_span(const AdamWLaunch& L, const TensorEntry& e, const StepCoefs<Mat
       if (AMSGRAD) __builtin_prefetch(vm.base + (k - vm.origin) + kPrefetchElems, 1);
       if (master != nullptr) __builtin_prefetch(master + k + kPrefetchElems, 1);
       if (remainder != nullptr) __builtin_prefetch(remainder + k + kPrefetchElems, 1);
-      for (int64_t j = k; j < k + kLineElems; j += W) update_vec(j);
+      for (int64_t j = k; j < k + kLineElems; j += W) {
+        update_vec(j);
+        after(j);
+      }
     }
-    for (; k + W <= end; k += W) update_vec(k);
+    for (; k + W <= end; k += W) {
+      update_vec(k);
+      after(k);
+    }
   }
   for (; k < end; ++k) {  // the leftover elements, same math on scalars
     M mk = m.get(k), vk = v.get(k), vmk = AMSGRAD ? vm.get(k) : M(0);
@@ -413,8 +434,14 @@ void update_span(const AdamWLaunch& L, const TensorEntry& e, const StepCoefs<Mat
 // moment then codes the block. Measured on Zen 1 (AVX2, one thread, 10M elements in 50
 // tensors, FP32 moments 2.1 ns per element): the per-pass kernel 17.5 ns per element,
 // this one 5.7. Coding a block inside the next block's update loop (software pipelining)
-// measured slower (6.9 ns): its constants and the update's do not fit in 16 vector
-// registers.
+// measured slower there (6.9 ns): its constants and the update's do not fit in 16 vector
+// registers. With AVX-512 (32 registers) it pays: measured on Zen 4 (2 threads, 20M
+// elements in 100 tensors, alternating builds) the step took 0.84-0.96x the time of
+// coding each block after its update in 5 of 6 pairs (one 1.17x, a noisy machine): the
+// update is bound by its divisions and square roots, beside which the codes' integer
+// work fits (kPipelineCodes: AVX-512 only; the AVX2 build on the same machine was 1.1x
+// slower with it). The codec itself converts through FP16 where the ISA has it (Note
+// [8-bit codes through FP16] in quant8_vec.h).
 // Every value is the one the per-pass code computes (the same scalar operations, lane by
 // lane), so codes and scales are bit for bit update_block8's and the CUDA kernel's. A block
 // with non-finite moments (a negative scale before the step, or an infinity or NaN after
@@ -453,9 +480,11 @@ struct Code8Moment {
   int64_t origin;
   VI* largest;
   static constexpr bool kBf16 = false;
+  // Every NaN has one code (Note [8-bit moments]): no canonical NaN to make.
+  static constexpr bool kCanonical = false;
 
   inline Vec load(int64_t k) const {
-    return cpu::decode8_vec<kCode>(cpu::load_codes(base + (k - origin))) * Vec(scale);
+    return cpu::decode8_scaled_vec<kCode>(base + (k - origin), scale);
   }
   inline void store(const Vec& x, int64_t k, const VI&) const {
     x.store(buf + (k - origin));
@@ -477,24 +506,51 @@ inline uint32_t largest_lane(const VI& x) {
   return static_cast<uint32_t>(out);
 }
 
-// x coded with `inverse` (block_inverse of the block's scale), vector by vector.
-template <Code8 kCode>
-void encode_block_vec(const float* x, float inverse, uint8_t* codes) {
-  for (int64_t j = 0; j < kBlock8; j += Vec::size()) {
-    cpu::store_codes(cpu::encode8_vec<kCode>(Vec::loadu(x + j) * Vec(inverse)), codes + j);
-  }
-}
+// Whether a block is coded inside the next block's update loop (Note [One pass per 8-bit
+// block]): with AVX-512's 32 vector registers; with 16 (AVX2) that measured slower.
+#if defined(CPU_CAPABILITY_AVX512)
+constexpr bool kPipelineCodes = true;
+#else
+constexpr bool kPipelineCodes = false;
+#endif
 
-// The block's new scale from its largest magnitude, and its codes (Note [8-bit moments]).
+// A block's moments waiting for their codes (Note [One pass per 8-bit block]): up to three
+// moments' FP32 values, each with its block's inverse scale and where its codes go.
+struct PendingCodes {
+  const float* x[3] = {nullptr, nullptr, nullptr};
+  float inverse[3] = {0.0f, 0.0f, 0.0f};
+  uint8_t* codes[3] = {nullptr, nullptr, nullptr};
+
+  // The codes of the W elements from j (of kBlock8) of each pending moment.
+  inline void code_vector(int64_t j) const {
+    if (x[0] != nullptr)
+      cpu::encode8_store<Code8::kSigned>(Vec::loadu(x[0] + j) * Vec(inverse[0]), codes[0] + j);
+    for (int q = 1; q < 3; ++q) {
+      if (x[q] != nullptr) {
+        cpu::encode8_store<Code8::kUnsigned>(Vec::loadu(x[q] + j) * Vec(inverse[q]), codes[q] + j);
+      }
+    }
+  }
+  inline void code_all() {
+    for (int64_t j = 0; j < kBlock8; j += Vec::size()) code_vector(j);
+    x[0] = x[1] = x[2] = nullptr;
+  }
+};
+
+// The block's new scale from its largest magnitude (Note [8-bit moments]); its codes now
+// for a block with non-finite values (encode_block's own path), else left to `pending`.
 template <Code8 kCode>
-void code_block(const float* x, uint32_t largest, uint8_t* codes, float* scale) {
-  if (largest >= kInfBits) {  // non-finite values: encode_block's own path
+void scale_block(const float* x, uint32_t largest, uint8_t* codes, float* scale,
+                 PendingCodes& pending, int q) {
+  if (largest >= kInfBits) {
     encode_block<kCode>(x, kBlock8, codes, scale);
     return;
   }
   const float s = block_scale(largest, false);
   *scale = s;
-  encode_block_vec<kCode>(x, block_inverse(s), codes);
+  pending.x[q] = x;
+  pending.inverse[q] = block_inverse(s);
+  pending.codes[q] = codes;
 }
 
 template <typename P, typename G, bool AMSGRAD>
@@ -507,29 +563,47 @@ void update_range8(const AdamWLaunch& L, const TensorEntry& e, const StepCoefs<f
   uint8_t* const mc = static_cast<uint8_t*>(L.exp_avg) + off;
   uint8_t* const vc = static_cast<uint8_t*>(L.exp_avg_sq) + off;
   uint8_t* const vmc = AMSGRAD ? static_cast<uint8_t*>(L.max_exp_avg_sq) + off : nullptr;
-  alignas(64) float mf[kBlock8], vf[kBlock8], vmf[kBlock8];
+  // Two blocks' FP32 moments: the one stepped and the previous one being coded.
+  alignas(64) float mf[2][kBlock8], vf[2][kBlock8], vmf[2][kBlock8];
+  PendingCodes pending;
+  const auto code_pending = [&pending](int64_t k) { pending.code_vector(k); };
   for (int64_t i = 0; i < blocks; ++i) {
     const int64_t kb = begin + i * kBlock8;
     const int64_t b = (off + kb) / kBlock8;
     if (special_block(L.exp_avg_scales[b]) || special_block(L.exp_avg_sq_scales[b]) ||
         (AMSGRAD && special_block(L.max_exp_avg_sq_scales[b]))) {
+      pending.code_all();
       update_block8<P, G, AMSGRAD>(L, e, c, t, kb, kBlock8);  // rare: a step met inf or NaN
       continue;
     }
+    const int cur = static_cast<int>(i & 1);
     VI largest[3] = {VI(0), VI(0), VI(0)};
-    const Code8Moment<Code8::kSigned> m{mc + kb, L.exp_avg_scales[b], mf, kb, &largest[0]};
-    const Code8Moment<Code8::kUnsigned> v{vc + kb, L.exp_avg_sq_scales[b], vf, kb, &largest[1]};
+    const Code8Moment<Code8::kSigned> m{mc + kb, L.exp_avg_scales[b], mf[cur], kb, &largest[0]};
+    const Code8Moment<Code8::kUnsigned> v{vc + kb, L.exp_avg_sq_scales[b], vf[cur], kb,
+                                          &largest[1]};
     const Code8Moment<Code8::kUnsigned> vm{AMSGRAD ? vmc + kb : nullptr,
-                                           AMSGRAD ? L.max_exp_avg_sq_scales[b] : 0.0f, vmf, kb,
-                                           &largest[2]};
-    update_span<P, G, AMSGRAD>(L, e, c, t, kb, kb + kBlock8, m, v, vm);
-    code_block<Code8::kSigned>(mf, largest_lane(largest[0]), mc + kb, L.exp_avg_scales + b);
-    code_block<Code8::kUnsigned>(vf, largest_lane(largest[1]), vc + kb, L.exp_avg_sq_scales + b);
-    if (AMSGRAD) {
-      code_block<Code8::kUnsigned>(vmf, largest_lane(largest[2]), vmc + kb,
-                                   L.max_exp_avg_sq_scales + b);
+                                           AMSGRAD ? L.max_exp_avg_sq_scales[b] : 0.0f, vmf[cur],
+                                           kb, &largest[2]};
+    if constexpr (kPipelineCodes) {
+      // The previous block coded a vector at a time between this one's updates: its
+      // integer work beside their divisions and square roots.
+      update_span<P, G, AMSGRAD>(L, e, c, t, kb, kb + kBlock8, m, v, vm,
+                                 [&](int64_t k) { code_pending(k - kb); });
+      pending = PendingCodes{};  // coded
+    } else {
+      update_span<P, G, AMSGRAD>(L, e, c, t, kb, kb + kBlock8, m, v, vm);
     }
+    scale_block<Code8::kSigned>(mf[cur], largest_lane(largest[0]), mc + kb, L.exp_avg_scales + b,
+                                pending, 0);
+    scale_block<Code8::kUnsigned>(vf[cur], largest_lane(largest[1]), vc + kb,
+                                  L.exp_avg_sq_scales + b, pending, 1);
+    if (AMSGRAD) {
+      scale_block<Code8::kUnsigned>(vmf[cur], largest_lane(largest[2]), vmc + kb,
+                                    L.max_exp_avg_sq_scales + b, pending, 2);
+    }
+    if constexpr (!kPipelineCodes) pending.code_all();
   }
+  pending.code_all();
   for (int64_t kb = begin + blocks * kBlock8; kb < end; kb += kBlock8) {
     update_block8<P, G, AMSGRAD>(L, e, c, t, kb, std::min(kBlock8, end - kb));
   }

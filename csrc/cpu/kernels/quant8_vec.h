@@ -131,5 +131,146 @@ inline VecF decode8_vec(const VecI& code) {
   }
 }
 
+// Note [8-bit codes through FP16]
+// Both codes are FP16's own layout cut short: E4M4 (exp_avg_sq) is the top 8 bits of an
+// FP16 of the same value below 2 (FP16's exponent bias 15 is E4M4's top binade, its
+// subnormals 2^-24 apart, 2^6 to an E4M4 subnormal step), and E3M4 (exp_avg's magnitude)
+// is the top bits of the FP16 of q 2^-8. AVX-512 (16 lanes) and AVX2 with F16C (8 lanes,
+// masks as vectors) convert with one instruction each way (vcvtph2ps, vcvtps2ph), where
+// the arithmetic of quant8.h takes about 20 vector operations per moment (measured on
+// Zen 4, AVX-512: the codec was a third of the 8-bit step's time). Same bits, by
+// construction:
+// - decoding: the code shifted to its place in an FP16 converts exactly (subnormal codes
+//   to FP16 subnormals), then one correctly rounded product with the scale, as decode8's
+//   value times the scale (E3M4: times 2^8 first, exact; the sign applied after the
+//   product, which rounds symmetrically).
+// - encoding: q to FP16 rounded toward zero, its last bit set where that dropped anything
+//   (rounding to odd: the conversion back lacks q's bits), then rounded to nearest even on
+//   the integer bits, 6 of them dropped. Rounding to odd with 2 or more bits beyond the
+//   target precision and then to nearest gives the nearest (Boldo and Melquiond,
+//   "Emulation of FMA and correctly rounded sums: proved algorithms using rounding to
+//   odd", 2008): FP16 keeps 6 more bits than the codes, on the same binades and on a
+//   subnormal grid that refines the codes' one. Whether a lane is zero (an E4M4 code is
+//   never 0 for a value that is not) and whether the conversion was exact are read as
+//   integers, which no MXCSR setting (torch.set_flush_denormal) changes.
+// Checked against the default build's scalar encode8 on every FP32 q in [0, 1 + 2^-23]
+// (and -q for the signed code: 3.2e9 values, no difference, both ISAs); the suite
+// (tests/test_cpu_isa.py) compares every ISA build's codes with the default build's over
+// every class of q (both grids, every midpoint between codes, their neighbours), with and
+// without denormal flushing.
+#if defined(CPU_CAPABILITY_AVX512)
+// The codes at src times `scale`, VecF::size() lanes (decode8's value times the scale).
+template <Code8 kCode>
+inline VecF decode8_scaled_vec(const uint8_t* src, float scale) {
+  const __m128i codes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src));
+  __m256i words = _mm256_cvtepu8_epi16(codes);
+  if constexpr (kCode == Code8::kSigned) {
+    words = _mm256_and_si256(_mm256_slli_epi16(words, 6), _mm256_set1_epi16(0x1FC0));
+    const __m512 magnitude = _mm512_mul_ps(
+        _mm512_mul_ps(_mm512_cvtph_ps(words), _mm512_set1_ps(256.0f)), _mm512_set1_ps(scale));
+    // The code's sign bit (bit 7 of each byte) onto the product.
+    return _mm512_mask_xor_ps(magnitude, _mm_movepi8_mask(codes), magnitude, _mm512_set1_ps(-0.0f));
+  } else {
+    return _mm512_mul_ps(_mm512_cvtph_ps(_mm256_slli_epi16(words, 6)), _mm512_set1_ps(scale));
+  }
+}
+
+// The codes of q (|q| <= 1 + 2^-23, finite) to dst, VecF::size() bytes.
+template <Code8 kCode>
+inline void encode8_store(const VecF& q, uint8_t* dst) {
+  const __m512i bits = _mm512_castps_si512(q);
+  const __m512i abs_bits = _mm512_and_si512(bits, _mm512_set1_epi32(0x7FFFFFFF));
+  __m512 a = _mm512_castsi512_ps(abs_bits);
+  if constexpr (kCode == Code8::kSigned) a = _mm512_mul_ps(a, _mm512_set1_ps(0.00390625f));
+  __m256i h = _mm512_cvtps_ph(a, _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
+  const __m256i one = _mm256_set1_epi16(1);
+  // Inexact where the conversion back lacks a's bits (an integer comparison, as every
+  // MXCSR setting reads it).
+  const __mmask16 inexact =
+      _mm512_cmpneq_epi32_mask(_mm512_castps_si512(_mm512_cvtph_ps(h)), _mm512_castps_si512(a));
+  h = _mm256_mask_mov_epi16(h, inexact, _mm256_or_si256(h, one));  // rounded to odd
+  const __m256i r = _mm256_add_epi16(_mm256_add_epi16(h, _mm256_set1_epi16(0x1F)),
+                                     _mm256_and_si256(_mm256_srli_epi16(h, 6), one));
+  __m256i code = _mm256_srli_epi16(r, 6);
+  if constexpr (kCode == Code8::kSigned) {  // the sign where the magnitude is not 0
+    const __mmask16 negative = _mm512_movepi32_mask(bits) & _mm256_test_epi16_mask(code, code);
+    code = _mm256_mask_add_epi16(code, negative, code, _mm256_set1_epi16(0x80));  // code < 0x80
+  } else {  // a value that is not zero never has the code 0
+    code = _mm256_mask_max_epu16(code, _mm512_test_epi32_mask(abs_bits, abs_bits), code, one);
+  }
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), _mm256_cvtepi16_epi8(code));
+}
+#elif defined(CPU_CAPABILITY_AVX2)  // F16C's conversions, 8 lanes, masks as vectors
+template <Code8 kCode>
+inline VecF decode8_scaled_vec(const uint8_t* src, float scale) {
+  const __m128i codes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(src));
+  const __m128i words = _mm_slli_epi16(_mm_cvtepu8_epi16(codes), 6);
+  if constexpr (kCode == Code8::kSigned) {
+    const __m256 magnitude =
+        _mm256_mul_ps(_mm256_mul_ps(_mm256_cvtph_ps(_mm_and_si128(words, _mm_set1_epi16(0x1FC0))),
+                                    _mm256_set1_ps(256.0f)),
+                      _mm256_set1_ps(scale));
+    // The code's sign bit (bit 7) to each lane's bit 31.
+    const __m256i sign = _mm256_and_si256(_mm256_slli_epi32(_mm256_cvtepu8_epi32(codes), 24),
+                                          _mm256_set1_epi32(static_cast<int32_t>(0x80000000u)));
+    return _mm256_xor_ps(magnitude, _mm256_castsi256_ps(sign));
+  } else {
+    return _mm256_mul_ps(_mm256_cvtph_ps(words), _mm256_set1_ps(scale));
+  }
+}
+
+template <Code8 kCode>
+inline void encode8_store(const VecF& q, uint8_t* dst) {
+  const __m256i bits = _mm256_castps_si256(q);
+  const __m256i abs_bits = _mm256_and_si256(bits, _mm256_set1_epi32(0x7FFFFFFF));
+  __m256 a = _mm256_castsi256_ps(abs_bits);
+  if constexpr (kCode == Code8::kSigned) a = _mm256_mul_ps(a, _mm256_set1_ps(0.00390625f));
+  __m128i h = _mm256_cvtps_ph(a, _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
+  const __m128i one = _mm_set1_epi16(1);
+  // Exact where the conversion back has a's bits (an integer comparison, as every MXCSR
+  // setting reads it); the 32-bit lanes' masks packed to 16 (in order: within 128 bits).
+  const __m256i exact =
+      _mm256_cmpeq_epi32(_mm256_castps_si256(_mm256_cvtph_ps(h)), _mm256_castps_si256(a));
+  const __m128i exact16 =
+      _mm_packs_epi32(_mm256_castsi256_si128(exact), _mm256_extracti128_si256(exact, 1));
+  h = _mm_or_si128(h, _mm_andnot_si128(exact16, one));  // rounded to odd
+  const __m128i r = _mm_add_epi16(_mm_add_epi16(h, _mm_set1_epi16(0x1F)),
+                                  _mm_and_si128(_mm_srli_epi16(h, 6), one));
+  __m128i code = _mm_srli_epi16(r, 6);
+  if constexpr (kCode == Code8::kSigned) {  // the sign where the magnitude is not 0
+    const __m256i negative = _mm256_srai_epi32(bits, 31);
+    const __m128i sign = _mm_and_si128(
+        _mm_packs_epi32(_mm256_castsi256_si128(negative), _mm256_extracti128_si256(negative, 1)),
+        _mm_set1_epi16(0x80));
+    code = _mm_or_si128(code, _mm_andnot_si128(_mm_cmpeq_epi16(code, _mm_setzero_si128()), sign));
+  } else {  // a value that is not zero never has the code 0
+    const __m256i zero = _mm256_cmpeq_epi32(abs_bits, _mm256_setzero_si256());
+    const __m128i zero16 =
+        _mm_packs_epi32(_mm256_castsi256_si128(zero), _mm256_extracti128_si256(zero, 1));
+    code = _mm_max_epu16(code, _mm_andnot_si128(zero16, one));
+  }
+  _mm_storel_epi64(reinterpret_cast<__m128i*>(dst), _mm_packus_epi16(code, code));
+}
+#else
+template <Code8 kCode>
+inline VecF decode8_scaled_vec(const uint8_t* src, float scale) {
+  return decode8_vec<kCode>(load_codes(src)) * VecF(scale);
+}
+
+template <Code8 kCode>
+inline void encode8_store(const VecF& q, uint8_t* dst) {
+  store_codes(encode8_vec<kCode>(q), dst);
+}
+#endif
+
+// A whole block x (kBlock8 finite values) coded with `inverse` (block_inverse of its
+// scale), vector by vector.
+template <Code8 kCode>
+inline void encode_block_vec(const float* x, float inverse, uint8_t* codes) {
+  for (int64_t j = 0; j < kBlock8; j += VecF::size()) {
+    encode8_store<kCode>(VecF::loadu(x + j) * VecF(inverse), codes + j);
+  }
+}
+
 }  // namespace cpu
 }  // namespace ruda
