@@ -15,17 +15,16 @@
 //             never gets the code of zero (it rounds up to 2^-18 instead).
 // Encoding is round to nearest, ties to the even code, done on the bits of q (the same
 // integer operations on both backends, no table, no search; the CPU's AVX2 and AVX-512
-// builds convert through FP16 instead, the same bits: Note [8-bit codes through FP16] in
-// cpu/kernels/quant8_vec.h); decoding is exact to FP32 and then multiplied by the scale
-// (one correctly rounded product). Why these codes and
-// not the peers' dynamic-exponent map (bitsandbytes, torchao; 256 table entries found by
-// a binary search): measured on the moments of a byte-level language model trained on the
-// standard library's sources (benchmarks/quant8_error.py, docs/performance.md), the
-// update m / (sqrt(v) + eps) computed from the decoded moments is 1.46% (relative L2)
-// away from the exact one, against 1.43% with the dynamic map, so the map buys nothing
-// that justifies a table lookup per element. The second moment must not decode to zero
-// where it was not: v = 0 under a nonzero m makes the update m / eps, so E4M4 (range
-// 2^-18) instead of E3M5, and a positive v is never flushed to zero: the decoded v is
+// builds and the CUDA kernels' encoder convert through FP16 instead, the same bits: Note
+// [8-bit codes through FP16] in cpu/kernels/quant8_vec.h); decoding is exact to FP32 and then
+// multiplied by the scale (one correctly rounded product). Why these codes and not the peers'
+// dynamic-exponent map (bitsandbytes, torchao; 256 table entries found by a binary search):
+// measured on the moments of a byte-level language model trained on the standard library's sources
+// (benchmarks/quant8_error.py, docs/performance.md), the update m / (sqrt(v) + eps) computed from
+// the decoded moments is 1.46% (relative L2) away from the exact one, against 1.43% with the
+// dynamic map, so the map buys nothing that justifies a table lookup per element. The second moment
+// must not decode to zero where it was not: v = 0 under a nonzero m makes the update m / eps, so
+// E4M4 (range 2^-18) instead of E3M5, and a positive v is never flushed to zero: the decoded v is
 // then too large, never too small, and the step never larger than the exact one.
 // The scale is a maximum, which rounds nothing, so every reduction order gives the same
 // bits (it is taken on the magnitudes' bit patterns, which order as the values do). A

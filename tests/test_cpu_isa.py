@@ -205,6 +205,18 @@ def test_8bit_codec_gives_the_default_bits_on_every_class_of_value(
     assert torch.equal(results[isa][0], results["default"][0]), f"{isa}: codes differ"
     for got, want in zip(results[isa][1:], results["default"][1:], strict=True):
         assert torch.equal(_bits(got), _bits(want))
+    # Every code under scales of every kind (tiny, huge, zero, the negated scales of blocks
+    # with non-finite values, an earlier format's NaN scale of either sign, infinity):
+    # the vector decoders take the finite ones only.
+    scales = torch.tensor([1.0, 3.0e38, 1.5e-38, 0.0, 7.25e-3, 2.0**-100, -1.0, -3.0e38, -0.0,
+                           float("nan"), -float("nan"), float("inf")])  # fmt: skip
+    every = torch.arange(256, dtype=torch.uint8).repeat(scales.numel())
+    decoded = {}
+    for build in dict.fromkeys(["default", isa]):
+        assert _build.use_cpu_isa(build) == build
+        decoded[build] = ruda_torch.ops.dequantize_8bit(every, scales, code)
+    torch.set_flush_denormal(False)
+    assert torch.equal(_bits(decoded[isa]), _bits(decoded["default"]))
     # Not a vacuous comparison: every code of a value in [-1, 1] occurs (signed: 113
     # magnitudes 0 .. 0x70, each with both signs but 0; unsigned: 0 .. 0xF0).
     assert len(torch.unique(results[isa][0])) == (225 if code == "signed" else 241)

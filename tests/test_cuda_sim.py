@@ -437,6 +437,39 @@ def test_dequantize_every_code_matches_cpu(sim, code):
     _same(out, ops.dequantize_8bit(codes, scales, code), f"{code} codes")
 
 
+@pytest.mark.parametrize("code", ops.CODES_8BIT)
+def test_quantize_8bit_every_class_of_value_matches_cpu(sim, code):
+    """The CUDA codec's pairs through FP16 (encode_pair8: cvt.rz.f16x2.f32, rounding to
+    odd, then to nearest on both halves; Note [8-bit codes through FP16]) give encode8's
+    codes on every class of value: every FP16 value below 2 (and times 2^8, the signed
+    code's grid) with its FP32 neighbours, every midpoint between codes, subnormals, zeros,
+    random bit patterns, both signs (tests/test_cpu_isa.py's inputs)."""
+    from test_cpu_isa import _codec_inputs
+
+    x = _codec_inputs(code)
+    codes, scales = ops.quantize_8bit(x, code)
+    emu_codes = torch.full_like(codes, 0xAA)
+    emu_scales = torch.full_like(scales, -1.0)
+    sim.quantize_8bit(x, emu_codes, emu_scales, ops.CODES_8BIT.index(code))
+    assert torch.equal(emu_codes, codes)
+    _same(emu_scales, scales, "scales")
+
+
+def test_emulated_fp16_toward_zero_is_the_hosts(sim):
+    """The emulation of cvt.rz.f16.f32 (csrc/cuda_sim/cuda_fp16.h) against the nearest FP16
+    stepped toward zero where it rounded away, on every FP16 value with its FP32
+    neighbours, both signs, past the largest finite FP16 and into FP32's subnormals."""
+    halves = torch.arange(0, 0x7C00, dtype=torch.int16).view(torch.float16).float()
+    bits = torch.cat([halves.view(torch.int32) + d for d in (-2, -1, 0, 1, 2)]).clamp(min=0)
+    x = torch.cat([bits.view(torch.float32), torch.tensor([65520.0, 1e5, 3e38, 1e-40])])
+    x = torch.cat([x, -x])
+    nearest = x.half()
+    away = nearest.float().abs() > x.abs()
+    want = torch.where(away, (nearest.view(torch.int16) - 1), nearest.view(torch.int16))
+    got = sim.f16_bits_toward_zero(x)
+    assert torch.equal(got.to(torch.int16), want)
+
+
 def test_grid_is_sized_from_the_emulated_device(sim):
     """The launch code sizes grids from the device's occupancy (max_resident_blocks): on
     the emulated device, smaller than the work, so that blocks loop over units."""

@@ -32,3 +32,19 @@ inline float __half2float(__half h) {
   }
   return __uint_as_float(out);
 }
+
+// cvt.rz.f16.f32's bits (rounded toward zero; subnormal results kept, as without .ftz):
+// f16x2_toward_zero in csrc/cuda/cuda_utils.cuh, lane by lane. tests/test_cuda_sim.py
+// checks it on every FP16 boundary against the host's conversion.
+inline uint32_t f16_bits_toward_zero(float x) {
+  const uint32_t b = __float_as_uint(x);
+  const uint32_t sign = (b >> 16) & 0x8000u;
+  const uint32_t a = b & 0x7FFFFFFFu;
+  if (a > 0x7F800000u) return sign | 0x7E00u;                     // NaN (the kernels convert none)
+  if (a == 0x7F800000u) return sign | 0x7C00u;                    // infinity
+  if (a >= 0x47800000u) return sign | 0x7BFFu;                    // >= 2^16: the largest finite
+  if (a >= 0x38800000u) return sign | ((a - 0x38000000u) >> 13);  // normal: truncated
+  const uint32_t e = a >> 23;                                     // below 2^-14: units of 2^-24
+  if (e < 103u) return sign;                                      // below 2^-24
+  return sign | (((a & 0x7FFFFFu) | 0x800000u) >> (126u - e));
+}

@@ -100,6 +100,17 @@ inline float __uint_as_float(uint32_t b) {
   std::memcpy(&x, &b, sizeof(x));
   return x;
 }
+
+// __byte_perm(x, y, s): byte n of the result is byte s[4n+2 : 4n] of the 8 bytes {y, x}
+// (x the low 4), as prmt.b32's default mode.
+inline uint32_t __byte_perm(uint32_t x, uint32_t y, uint32_t s) {
+  const uint64_t v = (static_cast<uint64_t>(y) << 32) | x;
+  uint32_t r = 0;
+  for (int n = 0; n < 4; ++n) {
+    r |= static_cast<uint32_t>((v >> (8 * ((s >> (4 * n)) & 7u))) & 0xFFu) << (8 * n);
+  }
+  return r;
+}
 inline double __longlong_as_double(long long b) {
   double x;
   std::memcpy(&x, &b, sizeof(x));

@@ -10,6 +10,7 @@
 #include <string>
 
 #include "bindings.h"
+#include "cuda_fp16.h"
 #include "cuda_sim.h"
 #include "grad_stats.h"
 #include "kernels.h"
@@ -186,6 +187,18 @@ std::pair<int64_t, int64_t> flat_writes(const SimFlat& sim) {
   return {sim.table_writes, sim.stats_writes};
 }
 
+// The emulated cvt.rz.f16.f32 (csrc/cuda_sim/cuda_fp16.h) of each FP32 value: its FP16 bits.
+at::Tensor emulated_f16_toward_zero(const at::Tensor& x) {
+  const at::Tensor in = x.contiguous();
+  at::Tensor out = at::empty(in.sizes(), in.options().dtype(at::kInt));
+  const float* src = in.data_ptr<float>();
+  int32_t* dst = out.data_ptr<int32_t>();
+  for (int64_t i = 0; i < in.numel(); ++i) {
+    dst[i] = static_cast<int32_t>(::f16_bits_toward_zero(src[i]));
+  }
+  return out;
+}
+
 // The grid the launch code sizes from the emulated device (kSimSms x kSimBlocksPerSm).
 int64_t resident_blocks() { return int64_t(ruda_sim::kSimSms) * ruda_sim::kSimBlocksPerSm; }
 
@@ -201,6 +214,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quantize_8bit", &quantize_8bit);
   m.def("dequantize_8bit", &dequantize_8bit);
   m.def("resident_blocks", &resident_blocks);
+  m.def("f16_bits_toward_zero", &emulated_f16_toward_zero);
   py::class_<SimFlat, std::shared_ptr<SimFlat>>(m, "SimFlat");
   m.def("flat_new", &flat_new);
   m.def("flat_step", &flat_step);

@@ -570,8 +570,8 @@ void update_range8(const AdamWLaunch& L, const TensorEntry& e, const StepCoefs<f
   for (int64_t i = 0; i < blocks; ++i) {
     const int64_t kb = begin + i * kBlock8;
     const int64_t b = (off + kb) / kBlock8;
-    if (special_block(L.exp_avg_scales[b]) || special_block(L.exp_avg_sq_scales[b]) ||
-        (AMSGRAD && special_block(L.max_exp_avg_sq_scales[b]))) {
+    if (!cpu::vector_block(L.exp_avg_scales[b]) || !cpu::vector_block(L.exp_avg_sq_scales[b]) ||
+        (AMSGRAD && !cpu::vector_block(L.max_exp_avg_sq_scales[b]))) {
       pending.code_all();
       update_block8<P, G, AMSGRAD>(L, e, c, t, kb, kBlock8);  // rare: a step met inf or NaN
       continue;

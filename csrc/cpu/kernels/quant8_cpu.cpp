@@ -58,7 +58,7 @@ template <Code8 kCode>
 void dequantize_blocks(const Quant8Launch& L) {
   for_each_block(L.n, [&](int64_t b, int64_t begin, int64_t n) {
     const float scale = L.scales[b];
-    if (kCodecVec && n == kBlock8 && !special_block(scale)) {
+    if (kCodecVec && n == kBlock8 && cpu::vector_block(scale)) {
       for (int64_t j = 0; j < n; j += cpu::VecF::size()) {
         cpu::decode8_scaled_vec<kCode>(L.codes + begin + j, scale).store(L.out + begin + j);
       }

@@ -131,6 +131,12 @@ inline VecF decode8_vec(const VecI& code) {
   }
 }
 
+// Whether the vector decoders take a block of this scale: finite with its sign bit clear.
+// The others (blocks with non-finite values, Note [8-bit moments]; an earlier format's
+// NaN scale, or a scale no kernel writes) decode by dequantize8_special or decode8 times
+// the scale, whose NaN the vector decoders' sign step would change.
+inline bool vector_block(float scale) { return float_bits(scale) < kInfBits; }
+
 // Note [8-bit codes through FP16]
 // Both codes are FP16's own layout cut short: E4M4 (exp_avg_sq) is the top 8 bits of an
 // FP16 of the same value below 2 (FP16's exponent bias 15 is E4M4's top binade, its
@@ -138,8 +144,9 @@ inline VecF decode8_vec(const VecI& code) {
 // is the top bits of the FP16 of q 2^-8. AVX-512 (16 lanes) and AVX2 with F16C (8 lanes,
 // masks as vectors) convert with one instruction each way (vcvtph2ps, vcvtps2ph), where
 // the arithmetic of quant8.h takes about 20 vector operations per moment (measured on
-// Zen 4, AVX-512: the codec was a third of the 8-bit step's time). Same bits, by
-// construction:
+// Zen 4, AVX-512: the codec was a third of the 8-bit step's time). The CUDA kernels encode
+// the same way, a pair per conversion (encode_pair8 in cuda/cuda_utils.cuh,
+// cvt.rz.f16x2.f32). Same bits, by construction:
 // - decoding: the code shifted to its place in an FP16 converts exactly (subnormal codes
 //   to FP16 subnormals), then one correctly rounded product with the scale, as decode8's
 //   value times the scale (E3M4: times 2^8 first, exact; the sign applied after the
