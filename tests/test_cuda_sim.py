@@ -392,6 +392,18 @@ def test_merge_chunks_matches_cpu(sim, schedule, n):
     _same(emu, cpu, f"fold of {n} reports")
 
 
+def _quantize_matches_cpu(sim, x: torch.Tensor, code: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """x's codes and scales by the emulated quantize kernel, asserted equal to the CPU's
+    (returned)."""
+    codes, scales = ops.quantize_8bit(x, code)
+    emu_codes = torch.full_like(codes, 0xAA)
+    emu_scales = torch.full_like(scales, -1.0)
+    sim.quantize_8bit(x, emu_codes, emu_scales, ops.CODES_8BIT.index(code))
+    assert torch.equal(emu_codes, codes)
+    _same(emu_scales, scales, "scales")
+    return codes, scales
+
+
 @pytest.mark.parametrize("code", ops.CODES_8BIT)
 @pytest.mark.parametrize("n", [0, 1, 97, 256, 1025, 4097])  # 4097: blocks loop (4 resident)
 def test_quantize_8bit_matches_cpu(sim, schedule, code, n):
@@ -412,12 +424,7 @@ def test_quantize_8bit_matches_cpu(sim, schedule, code, n):
         x[1280:1536] = float("nan")
     if code == "unsigned":
         x = x.abs()
-    codes, scales = ops.quantize_8bit(x, code)
-    emu_codes = torch.full_like(codes, 0xAA)
-    emu_scales = torch.full_like(scales, -1.0)
-    sim.quantize_8bit(x, emu_codes, emu_scales, ops.CODES_8BIT.index(code))
-    assert torch.equal(emu_codes, codes)
-    _same(emu_scales, scales, "scales")
+    codes, scales = _quantize_matches_cpu(sim, x, code)
     emu_out = torch.full_like(x, -1.0)
     sim.dequantize_8bit(codes, scales, emu_out, ops.CODES_8BIT.index(code))
     _same(emu_out, ops.dequantize_8bit(codes, scales, code), "decoded values")
@@ -447,12 +454,7 @@ def test_quantize_8bit_every_class_of_value_matches_cpu(sim, code):
     from test_cpu_isa import _codec_inputs
 
     x = _codec_inputs(code)
-    codes, scales = ops.quantize_8bit(x, code)
-    emu_codes = torch.full_like(codes, 0xAA)
-    emu_scales = torch.full_like(scales, -1.0)
-    sim.quantize_8bit(x, emu_codes, emu_scales, ops.CODES_8BIT.index(code))
-    assert torch.equal(emu_codes, codes)
-    _same(emu_scales, scales, "scales")
+    _quantize_matches_cpu(sim, x, code)
 
 
 def test_emulated_fp16_toward_zero_is_the_hosts(sim):
