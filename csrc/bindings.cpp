@@ -381,7 +381,7 @@ AdamWLaunch prepare_launch(const char* op, size_t n, const at::Device& device,
 
 // With 8-bit moments: whether a tensor of `entries` has a block the CUDA kernels do not
 // access directly (Note [8-bit CUDA registers] in csrc/cuda/adamw_cuda.cu): a last block
-// shorter than kBlock8, or parameters, gradients, masters or codes not aligned for their
+// shorter than kBlock8, a slice laid out in rows (Note [8-bit row blocks]), or parameters, gradients, masters or codes not aligned for their
 // wide accesses (16 bytes for elements, 8 for codes).
 bool edges8_of(const AdamWLaunch& L, const std::vector<TensorEntry>& entries) {
   if (L.state_dtype != DType::kUInt8) return false;
@@ -391,7 +391,7 @@ bool edges8_of(const AdamWLaunch& L, const std::vector<TensorEntry>& entries) {
   for (const TensorEntry& e : entries) {
     if (e.numel == 0) continue;
     const int64_t off = e.state_offset;
-    if (e.numel % kBlock8 != 0 || misaligned(e.param, 16) || misaligned(e.grad, 16) ||
+    if (e.row != 0 || e.numel % kBlock8 != 0 || misaligned(e.param, 16) || misaligned(e.grad, 16) ||
         (L.master != nullptr && misaligned(L.master + off, 16)) ||
         (L.remainder != nullptr && misaligned(L.remainder + off, 16)) ||
         misaligned(static_cast<uint8_t*>(L.exp_avg) + off, 8) ||
@@ -479,7 +479,7 @@ PreparedStats prepare_flat_analyze(const FlatBucket& fb, int64_t lo, int64_t hi,
   int64_t n_rows = 0;
   for (int64_t i = lo; i < hi; ++i) {
     TensorEntry& e = prep.table[i - lo];
-    e = {nullptr, fb.active[i].grad, fb.active[i].numel, 0, 0, n_rows};
+    e = {nullptr, fb.active[i].grad, fb.active[i].numel, 0, 0, n_rows, 0};
     n_rows += stats_rows_for(e.numel);
   }
   check_scalar_fp32(op, grad_scale, "grad_scale", 1, fb.device);
@@ -494,7 +494,7 @@ PreparedStats prepare_flat_analyze(const FlatBucket& fb, int64_t lo, int64_t hi,
   return prep;
 }
 
-int64_t flat_table_words(const FlatBucket& fb) { return static_cast<int64_t>(fb.table.size()) * 6; }
+int64_t flat_table_words(const FlatBucket& fb) { return static_cast<int64_t>(fb.table.size()) * kTableWords; }
 
 bool flat_update_table_stale(const FlatBucket& fb) { return !fb.device_table_current; }
 
@@ -533,7 +533,7 @@ void flat_bucket_select(FlatBucket& fb, const std::vector<int64_t>* active) {
     last = i;
     TensorEntry e = fb.table[i];
     e.unit_start = units;
-    units += (e.numel + fb.unit - 1) / fb.unit;
+    units += (state_extent(e) + fb.unit - 1) / fb.unit;
     fb.active.push_back(e);
   }
   fb.active_ids = *active;
@@ -557,7 +557,7 @@ AdamWLaunch prepare_flat_step(const FlatBucket& fb, bool amsgrad,
   int64_t units = 0;
   if (!fb.active.empty()) {
     const TensorEntry& e = fb.active.back();
-    units = e.unit_start + (e.numel + fb.unit - 1) / fb.unit;
+    units = e.unit_start + (state_extent(e) + fb.unit - 1) / fb.unit;
   }
   check_units("adamw_scaled_", units, fb.active.size());
   L.n_units = units;
@@ -591,9 +591,12 @@ PreparedAdamW prepare_adamw(
                      max_grad_norm, maximize, master, lr_tensor, rounding, seed, decoupled, scales);
   TORCH_CHECK(
       slots.device().is_cpu() && slots.scalar_type() == at::kLong && slots.dim() == 2 &&
-          slots.size(0) == static_cast<int64_t>(n) && slots.size(1) == 2 && slots.is_contiguous(),
+          slots.size(0) == static_cast<int64_t>(n) && (slots.size(1) == 2 || slots.size(1) == 3) &&
+          slots.is_contiguous(),
       "ruda_torch.", op, ": slots must be a contiguous CPU int64 tensor of shape [", n,
-      ", 2] (got ", slots.scalar_type(), " ", shape_str(slots), " on ", slots.device(), ")");
+      ", 2] or [", n, ", 3] (got ", slots.scalar_type(), " ", shape_str(slots), " on ",
+      slots.device(), ")");
+  const int64_t slot_width = slots.size(1);
   if (n > 0 && grads[0].defined()) check_update_grad_dtype(op, grads[0], pdtype);
   const int64_t* slot = slots.data_ptr<int64_t>();
   const int64_t state_numel = state_capacity(exp_avg, scales);
@@ -627,9 +630,19 @@ PreparedAdamW prepare_adamw(
                 "] must lay its elements out in memory as params[", i, "] does (strides ",
                 grads[i].strides(), " vs ", p.strides(),
                 "); make it with torch.empty_like(param).copy_(grad)");
-    const int64_t off = slot[2 * i], sid = slot[2 * i + 1], numel = p.numel();
-    TORCH_CHECK(off >= 0 && off <= state_numel - numel, "ruda_torch.", op, ": slots[", i,
-                "] puts params[", i, "] (", numel, " elements) at offset ", off,
+    const int64_t* si = slot + slot_width * i;
+    const int64_t off = si[0], sid = si[1], numel = p.numel();
+    // Note [8-bit row blocks] in csrc/quant8.h: rows of `row` elements, each on whole blocks.
+    const int64_t row = slot_width == 3 ? si[2] : 0;
+    TORCH_CHECK(row == 0 || (blocks8 && row > 0 && row < kMaxUnits && numel % row == 0 &&
+                             p.is_contiguous()),
+                "ruda_torch.", op, ": slots[", i, "] gives params[", i, "] rows of ", row,
+                " elements; a row length (column 2 of slots) is for 8-bit moments (uint8 "
+                "exp_avg) of a contiguous parameter whose element count (", numel,
+                ") it divides, below 2^31, or 0 for none");
+    const int64_t extent = row == 0 ? numel : row_extent8(numel, row);
+    TORCH_CHECK(off >= 0 && off <= state_numel - extent, "ruda_torch.", op, ": slots[", i,
+                "] puts params[", i, "] (", extent, " elements) at offset ", off,
                 ", outside the state buffers of ", state_numel, " elements");
     TORCH_CHECK(!blocks8 || off % kBlock8 == 0, "ruda_torch.", op, ": slots[", i, "] puts params[",
                 i, "] at offset ", off,
@@ -638,7 +651,7 @@ PreparedAdamW prepare_adamw(
                 kBlock8, " elements");
     TORCH_CHECK(sid >= 0 && sid < n_steps, "ruda_torch.", op, ": slots[", i, "] step index ", sid,
                 " is outside steps (", n_steps, " counters)");
-    if (numel > 0) slices.emplace_back(off, off + numel);
+    if (numel > 0) slices.emplace_back(off, off + extent);
     step_ids[i] = sid;
     written.push_back(span_of(p, "params", i));
     read_only.push_back(span_of(grads[i], "grads", i));
@@ -649,7 +662,8 @@ PreparedAdamW prepare_adamw(
     e.state_offset = off;
     e.step_index = sid;
     e.unit_start = units;
-    units += (numel + unit - 1) / unit;
+    e.row = row;
+    units += (extent + unit - 1) / unit;
   }
   std::sort(slices.begin(), slices.end());
   for (size_t i = 1; i < slices.size(); ++i) {
@@ -711,6 +725,7 @@ PreparedStats prepare_analyze(at::TensorList grads, const std::optional<at::Tens
     e.state_offset = 0;
     e.step_index = 0;
     e.unit_start = n_rows;
+    e.row = 0;
     n_rows += stats_rows_for(e.numel);
     read_only.push_back(span_of(grads[i], "grads", i));
   }

@@ -52,10 +52,49 @@
 #include <cstdint>
 
 #include "adamw_math.h"
+#include "ruda_params.h"
 
 namespace ruda {
 
 constexpr int64_t kBlock8 = 256;
+
+// Note [8-bit row blocks]
+// The blocks of a parameter are defined on its shape, not on any shard of it, so that the
+// codes and scales are the same on every mesh (ruda_torch/_state8bit.py, Note [8-bit
+// blocks on every mesh]): a parameter of shape (d0, d1, ..., dk) is d0 rows of R = d1 ...
+// dk elements (a 0-D or 1-D one is one row), and each row is cut into blocks of kBlock8
+// consecutive elements, its last block shorter when kBlock8 does not divide R. Where it
+// does (or there is one row), the blocks are those of the flat tensor. Where it does not,
+// the state slice lays each row out on whole blocks: row r's codes start at r * S, S = R
+// rounded up to kBlock8 (row_stride8), so that every block still starts at a multiple of
+// kBlock8 of the state buffers and finds its scale at its state index / kBlock8; the
+// codes past R in a row are never read as values. The kernels then walk the slice's state
+// indices (row_extent8 of them) and map each block to its elements (block8_at); the
+// parameter, gradient, master and the stochastic rounding's index stay at the element's
+// own index. TensorEntry::row is R for such a slice, 0 for a flat one.
+RUDA_HOST_DEVICE inline int64_t row_stride8(int64_t row) {
+  return (row + kBlock8 - 1) / kBlock8 * kBlock8;
+}
+RUDA_HOST_DEVICE inline int64_t row_extent8(int64_t numel, int64_t row) {
+  return numel / row * row_stride8(row);
+}
+// The state elements a tensor's slice spans.
+RUDA_HOST_DEVICE inline int64_t state_extent(const TensorEntry& e) {
+  return e.row == 0 ? e.numel : row_extent8(e.numel, e.row);
+}
+// The block whose first state index (from the slice's start) is kc, in a range of the
+// slice ending at `end`: its first element and its element count.
+struct Block8 {
+  int64_t first;
+  int64_t n;
+};
+RUDA_HOST_DEVICE inline Block8 block8_at(const TensorEntry& e, int64_t kc, int64_t end) {
+  if (e.row == 0) return {kc, end - kc < kBlock8 ? end - kc : kBlock8};
+  const int64_t stride = row_stride8(e.row);
+  const int64_t r = kc / stride, col = kc - r * stride;
+  const int64_t left = e.row - col;
+  return {r * e.row + col, left < kBlock8 ? left : kBlock8};
+}
 // Bytes of a flat 8-bit moment buffer per block: the codes, and the block's FP32 scale
 // (the buffer holds all blocks' codes first, then all scales).
 constexpr int64_t kPacked8 = kBlock8 + 4;

@@ -28,8 +28,13 @@ struct TensorEntry {
   int64_t state_offset;  // first element of its slice in the flat state buffers
   int64_t step_index;    // its step counter in the flat `steps` buffer
   int64_t unit_start;    // first unit (tile or statistics row) of this tensor
+  // With 8-bit moments, the length of the tensor's rows when its state slice lays each
+  // row out on whole blocks (Note [8-bit row blocks] in csrc/quant8.h); 0 otherwise.
+  int64_t row;
 };
-static_assert(sizeof(TensorEntry) == 6 * sizeof(int64_t), "TensorEntry is copied as int64[6]");
+constexpr int64_t kTableWords = 7;
+static_assert(sizeof(TensorEntry) == kTableWords * sizeof(int64_t),
+              "TensorEntry is copied as int64[kTableWords]");
 
 // Element types of parameters and gradients. Statistics take the first three; the update
 // takes FP64 parameters with FP64 gradients (Note [Parameter dtypes] in adamw_math.h).

@@ -83,9 +83,11 @@ from ._common import (
 from ._remainder import master_from_remainder, remainder_of_master
 from ._state8bit import (
     blocks_8bit,
+    codes_strides,
+    slot_layout,
     moment_code,
     moment_values,
-    slot_numel,
+    pair_format,
     wrap_scales,
 )
 from ._validate import check_flat_grad_dtype
@@ -127,17 +129,16 @@ class Bucket:
         self.precision = precision  # Note [Low-precision states] in csrc/adamw_math.h
         self.eight_bit = precision == "8bit" and self.dtype != torch.float64
         align = BLOCK_8BIT if self.eight_bit else _ALIGN
-        # Scales per slot with 8-bit moments: the blocks of the local slice, or of the
-        # largest shard of a DTensor (Note [8-bit DTensor state]).
-        self.blocks = [
-            blocks_8bit(slot_numel(p, t)) if self.eight_bit else 0
-            for p, t in zip(params, self.locals, strict=True)
-        ]
+        # With 8-bit moments, each slot's rows (Note [8-bit row blocks] in csrc/quant8.h):
+        # the row length the kernel lays out on whole blocks (0: none), the state elements
+        # the slot spans, and its scales (one per block).
+        layouts = [slot_layout(t) if self.eight_bit else (0, t.numel()) for t in self.locals]
+        self.rows8 = [row for row, _ in layouts]
+        self.blocks = [blocks_8bit(extent) if self.eight_bit else 0 for _, extent in layouts]
         offsets, total = [], 0
-        for t, blocks in zip(self.locals, self.blocks, strict=True):
+        for _, extent in layouts:
             offsets.append(total)
-            span = blocks * BLOCK_8BIT if self.eight_bit else t.numel()
-            total += -(-span // align) * align
+            total += -(-extent // align) * align
         self.offsets = offsets
         self.capacity = total  # state elements of each moment buffer
         state_dtype = state_dtype_of(self.dtype, precision)
@@ -166,15 +167,23 @@ class Bucket:
         self.versions: list[tuple[int, int] | None] = [None] * len(params)
         self.steps = torch.zeros(len(params), dtype=torch.float32, device=self.device)
         # What the kernel steps: the local tensors, with a contiguous staging copy in place
-        # of each that is not dense (Note [Buckets]).
-        self.staged = [i for i, t in enumerate(self.locals) if not is_dense(t)]
+        # of each that is not dense (Note [Buckets]); with 8-bit moments, of each that is
+        # not contiguous (the blocks are the rows': Note [8-bit row blocks] in
+        # csrc/quant8.h).
+        self.staged = [
+            i
+            for i, t in enumerate(self.locals)
+            if not (t.is_contiguous() if self.eight_bit else is_dense(t))
+        ]
         self.targets = list(self.locals)
         for i in self.staged:
             t = self.locals[i]
             self.targets[i] = torch.empty(t.shape, dtype=t.dtype, device=t.device)
+        # (offset, step counter, and with 8-bit moments the row length) per slot.
         self.slots_all = torch.tensor(
-            [[off, i] for i, off in enumerate(offsets)], dtype=torch.int64
-        ).reshape(-1, 2)
+            [[off, i, *([self.rows8[i]] if self.eight_bit else [])] for i, off in enumerate(offsets)],
+            dtype=torch.int64,
+        ).reshape(-1, 3 if self.eight_bit else 2)
         # views[i]: the state values this bucket put into entries[i] (the state entry of
         # params[i]), or None while params[i] has no state.
         self.views: list[dict | None] = [None] * len(params)
@@ -266,10 +275,12 @@ class Bucket:
         return flat.as_strided(t.shape, t.stride())
 
     def _pair(self, key: str, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Slot i of 8-bit moment ``key`` as 1-D tensors of their own: its codes in slot
-        order and its scales (Note [8-bit buckets])."""
-        codes = own(getattr(self, key), self.offsets[i], (self.locals[i].numel(),))
-        return codes, self._scales(key, i)
+        """Slot i of 8-bit moment ``key`` as tensors of their own: its codes shaped like the
+        parameter (rows on whole blocks: Note [8-bit row blocks] in csrc/quant8.h) and its
+        scales (ops.scales_shape_8bit of the local shape)."""
+        t = self.locals[i]
+        codes = own(getattr(self, key), self.offsets[i], t.shape, codes_strides(t, self.rows8[i]))
+        return codes, self._scales(key, i).view(ops.scales_shape_8bit(t.shape))
 
     def _scales(self, key: str, i: int) -> torch.Tensor:
         run = STATE_KEYS.index(key) * (self.capacity // BLOCK_8BIT)
@@ -437,26 +448,27 @@ class Bucket:
 
     def _write_8bit(self, i: int, key: str, values: dict) -> None:
         """Slot i of 8-bit moment ``key`` := ``values``' one: codes and scales copied when
-        they are laid out as the slot is, else its values quantized (an FP32 moment, or
-        codes of another layout decoded first); zeros when there is none."""
+        their blocks are the rows' (Note [8-bit state entries]; whatever the codes'
+        strides), else the moment's values quantized (an FP32 moment, or the earlier
+        format's codes decoded first: Note [8-bit blocks on every mesh]); zeros when there
+        is none."""
         codes, scales = self._pair(key, i)
         src_codes = values.get(codes_key(key))
-        if src_codes is not None and _same_layout(src_codes, self._laid_out(codes, i)):
-            src_scales = values[scales_key(key)].reshape(-1)[: self.blocks[i]]
-            codes.copy_(own(src_codes, 0, (src_codes.numel(),)))
-            scales.zero_()[: src_scales.numel()].copy_(src_scales)
-            return
+        if src_codes is not None:
+            src_scales = values[scales_key(key)]
+            form = pair_format(src_codes, src_scales)
+            if form == "rows" or (form == "flat" and _flat_blocks_are_rows(src_codes)):
+                codes.copy_(src_codes)
+                scales.view(-1).copy_(src_scales.reshape(-1)[: self.blocks[i]])
+                return
         src = moment_values(values, key)
         if src is None:
             codes.zero_()
             scales.zero_()
             return
-        staging = torch.empty(codes.numel(), dtype=torch.float32, device=self.device)
-        self._laid_out(staging, i).copy_(local(src))
-        scales.zero_()
-        used = scales[: blocks_8bit(codes.numel())]
-        code = ops.CODES_8BIT.index(moment_code(key))
-        torch.ops.ruda_torch.quantize_8bit(staging, codes, used, code)
+        new_codes, new_scales = ops.quantize_8bit(local(src).to(torch.float32), moment_code(key))
+        codes.copy_(new_codes)
+        scales.copy_(new_scales)
 
     def _versions_of(self, i: int) -> tuple[int, int]:
         """The version counters of params[i] and of its remainders' state view."""
@@ -498,8 +510,9 @@ class Bucket:
                 continue
             buf = getattr(self, key)
             if self.eight_bit:
-                views[codes_key(key)] = _wrap_like(self._own_slice(buf, i), p)
-                views[scales_key(key)] = wrap_scales(self._scales(key, i), p)
+                codes, scales = self._pair(key, i)
+                views[codes_key(key)] = _wrap_like(codes, p)
+                views[scales_key(key)] = wrap_scales(scales, p)
             else:
                 views[key] = _wrap_like(self._own_slice(buf, i), p)
         if self.master is not None:
@@ -571,12 +584,12 @@ def _same(a, b) -> bool:
     return a is b
 
 
-def _same_layout(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Equal shapes and equal strides on every dimension of size > 1 (Note [Dense
-    layouts] in csrc/bindings.cpp): the same element at each memory position."""
-    return a.shape == b.shape and all(
-        n <= 1 or x == y for n, x, y in zip(a.shape, a.stride(), b.stride(), strict=True)
-    )
+def _flat_blocks_are_rows(codes: torch.Tensor) -> bool:
+    """Whether the blocks of the earlier 8-bit format (of the codes' memory order) are those
+    of the rows (Note [8-bit row blocks] in csrc/quant8.h): then its codes and scales load
+    as they are."""
+    rows, row = ops.rows_8bit(codes.shape)
+    return codes.is_contiguous() and (rows <= 1 or row % BLOCK_8BIT == 0)
 
 
 def _wrap_like(local_view: torch.Tensor, p: torch.Tensor) -> torch.Tensor:

@@ -60,7 +60,7 @@ from . import _C
 from ._common import EIGHT_BIT_KEYS, MASTER_KEYS, MIN_8BIT_SIZE, STATE_KEYS, local, master_kind
 from ._fused import Bucket
 from ._options import check_fused_param, check_group_options
-from ._state8bit import bucket_precision, moment_format
+from ._state8bit import bucket_precision, check_mesh_8bit, moment_format
 from ._validate import check_no_duplicates, check_state_entry, check_stats_dtype
 from .distributed import scope_of
 
@@ -147,6 +147,8 @@ def split_group(opt, gi: int, group: dict, needs_global: bool) -> list:
         scope = scope_of(p, opt.process_group, needs_global, f"param group {gi} parameter {j}",
                          opt.partition_group)  # fmt: skip
         precision = bucket_precision(p, group)
+        if precision == "8bit":
+            check_mesh_8bit(p, f"param group {gi} parameter {j}")
         key = (local(p).device, p.dtype, scope, precision)
         by_key.setdefault(key, (scope, precision, [], []))
         by_key[key][2].append(p)

@@ -36,9 +36,13 @@ from ._common import (
 
 
 def bucket_precision(p: torch.Tensor, group: dict) -> str:
-    """The moment storage of ``p``'s bucket in ``group`` (Note [8-bit buckets])."""
+    """The moment storage of ``p``'s bucket in ``group`` (Note [8-bit buckets]; a sharded
+    1-D parameter keeps FP32 moments: Note [8-bit blocks on every mesh])."""
     precision = group.get("state_precision", "fp32")
-    if precision == "8bit" and p.numel() < group.get("min_8bit_size", MIN_8BIT_SIZE):
+    if precision == "8bit" and (
+        p.numel() < group.get("min_8bit_size", MIN_8BIT_SIZE)
+        or (p.dim() < 2 and hasattr(p, "device_mesh"))
+    ):
         return "fp32"
     return precision
 
@@ -52,8 +56,14 @@ def moment_code(key: str) -> str:
 # Note [8-bit state entries]
 # A moment stored in 8 bits (state_precision="8bit", Note [8-bit moments] in
 # csrc/quant8.h) is not a tensor of values: it is a pair, `<moment>_codes` (uint8, shaped
-# like the parameter, laid out in memory as the kernel steps it) and `<moment>_scales`
-# (FP32, one per block of 256 codes in the codes' memory order), in place of `<moment>`.
+# like the parameter) and `<moment>_scales` (FP32, one per block: Note [8-bit row blocks]
+# in csrc/quant8.h, shape ops.scales_shape_8bit(parameter shape), the rows' blocks in
+# order), in place of `<moment>`: what ops.quantize_8bit returns for the moment's values.
+# The codes' strides do not matter (a slot laid out in rows has gaps between its rows);
+# the blocks are defined on the shape. An entry of the earlier format (scales of one
+# dimension, one per block of 256 codes in the codes' memory order, for a parameter of two
+# or more dimensions; on a mesh, one row of scales per shard) still loads: converted where
+# its blocks are not the rows' (Note [8-bit blocks on every mesh]).
 # The names differ from torch's on purpose: torch.optim.AdamW casts every state tensor
 # it loads to the parameter's dtype, so codes under torch's name would load there as
 # values 0..255 and step silently wrong; under their own names torch's step stops with
@@ -83,11 +93,27 @@ def moment_format(entry, key: str, where: str) -> str | None:
     return "8bit" if has[0] else "plain" if key in entry else None
 
 
+def pair_format(codes: torch.Tensor, scales: torch.Tensor) -> str | None:
+    """The format of local 8-bit ``codes`` and ``scales`` (Note [8-bit state entries]):
+    ``"rows"`` (blocks of the rows, scales of ops.scales_shape_8bit), ``"flat"`` (the
+    earlier format: blocks of the dense codes' memory order, at least one scale per block,
+    a mesh's shard padded with more), or None (neither)."""
+    if tuple(scales.shape) == ops.scales_shape_8bit(codes.shape) and scales.is_contiguous():
+        return "rows"
+    if (
+        is_dense(codes)
+        and scales.is_contiguous()
+        and scales.numel() >= blocks_8bit(codes.numel())
+        and (scales.dim() == 1 or all(n == 1 for n in scales.shape[:-1]))
+    ):
+        return "flat"
+    return None
+
+
 def check_8bit(entry, p: torch.Tensor, key: str, where: str) -> None:
-    """The pair of Note [8-bit state entries]: uint8 codes shaped like ``p`` whose local
-    tensor is dense (its memory order defines the blocks), and FP32 scales with one value
-    per block of the local codes (at least one: a DTensor's local scales are padded to
-    the largest shard's blocks, Note [8-bit DTensor state] in ruda_torch/_state8bit.py)."""
+    """The pair of Note [8-bit state entries]: uint8 codes shaped like ``p``, and FP32
+    scales of ops.scales_shape_8bit(p.shape) (for a DTensor parameter a DTensor of that
+    shape whose local tensor is its local codes' scales), or of the earlier format."""
     ck, sk = codes_key(key), scales_key(key)
     codes, scales = entry[ck], entry[sk]
     for k, v in ((ck, codes), (sk, scales)):
@@ -100,17 +126,16 @@ def check_8bit(entry, p: torch.Tensor, key: str, where: str) -> None:
         raise ValueError(f"{where}[{sk!r}] must be float32 (block scales), got {scales.dtype}")
     check_shape(codes, p, ck, where)
     lc, ls = local(codes), local(scales)
-    if not is_dense(lc):
+    form = pair_format(lc, ls)
+    if form == "rows" and hasattr(scales, "device_mesh"):
+        if tuple(scales.shape) != ops.scales_shape_8bit(codes.shape):
+            form = None  # local scales that fit, a global shape that does not
+    if form is None:
         raise ValueError(
-            f"{where}[{ck!r}] is not dense (strides {lc.stride()}): the blocks of 8-bit codes "
-            "follow their memory order, which a view with gaps does not have"
-        )
-    need = blocks_8bit(lc.numel())
-    padded = ls is not scales  # a DTensor's local scales
-    if not ls.is_contiguous() or ls.numel() < need or (not padded and ls.numel() != need):
-        raise ValueError(
-            f"{where}[{sk!r}] must be a contiguous float32 tensor of {need} scale(s), one per "
-            f"block of {BLOCK_8BIT} codes, got shape {tuple(ls.shape)}"
+            f"{where}[{sk!r}] must be a contiguous float32 tensor of shape "
+            f"{ops.scales_shape_8bit(lc.shape)}, one scale per block of up to {BLOCK_8BIT} "
+            f"codes of each row (ruda_torch.ops.quantize_8bit's), got shape "
+            f"{tuple(ls.shape)}"
         )
 
 
@@ -122,17 +147,21 @@ def moment_values(values: dict, key: str) -> torch.Tensor | None:
     codes = values.get(codes_key(key))
     if codes is None:
         return None
+    scales = values[scales_key(key)]
+    if pair_format(codes, scales) == "rows":
+        return ops.dequantize_8bit(codes, scales, moment_code(key))
+    # The earlier format: blocks of the codes' memory order.
     n = codes.numel()
     decoded = torch.empty(n, dtype=torch.float32, device=codes.device)
-    scales = values[scales_key(key)].reshape(-1)[: blocks_8bit(n)]
-    ops.dequantize_8bit(own(codes, 0, (n,)), scales, moment_code(key), out=decoded)
+    flat_scales = scales.reshape(-1)[: blocks_8bit(n)]
+    ops.dequantize_8bit(own(codes, 0, (n,)), flat_scales, moment_code(key), out=decoded)
     return decoded.as_strided(codes.shape, codes.stride())  # the codes' memory order
 
 
 def dequantize_state_dict(state_dict: dict) -> dict:
     """An optimizer state dict with every 8-bit moment (``state_precision="8bit"``, Note
     [8-bit state entries] in ruda_torch/_state8bit.py) replaced by its FP32 values under
-    torch's name, shaped and laid out like its codes: torch.optim.AdamW's format, which
+    torch's name, shaped like its codes: torch.optim.AdamW's format, which
     torch's AdamW (and ours with any ``state_precision``) loads. Everything else is shared
     with the input, which is not modified. DTensor entries (an FSDP2 sharded state dict)
     are converted shard by shard, into DTensors with the codes' placements."""
@@ -178,50 +207,94 @@ def _decoded(codes: torch.Tensor, scales: torch.Tensor, key: str) -> torch.Tenso
                               shape=codes.shape, stride=codes.stride())  # fmt: skip
 
 
-# Note [8-bit DTensor state]
-# An 8-bit moment of a DTensor parameter (FSDP2, HSDP, tensor parallel) is a codes DTensor
-# with the parameter's mesh and placements around the local codes, and a scales DTensor
-# of shape (m_1, ..., m_k, B): one row of B scales per shard, m_j the mesh size along
-# dimension j where the parameter is sharded (Shard(j) there) and 1 where it is
-# replicated (Replicate there). B is the block count of the largest shard (ceil-divided
-# sizes, torch.chunk's), so that every rank's local scales have one shape; a smaller
-# shard's row ends in zeros. The blocks follow each rank's local memory order, which only
-# the same sharding reproduces: distributed checkpoints (DCP) of this state load exactly
-# on the same mesh, and a different number of ranks changes (m_1, ..., m_k), which DCP
-# refuses as a size mismatch instead of loading scales of other blocks.
-def slot_numel(p: torch.Tensor, t: torch.Tensor) -> int:
-    """The elements a slot reserves for ``p`` (local ``t``): the largest shard's for a
-    DTensor (Note [8-bit DTensor state])."""
-    if not hasattr(p, "device_mesh"):
-        return t.numel()
-    shape = list(p.shape)
-    for j, placement in enumerate(p.placements):
-        if placement.is_shard():
-            d = placement.dim
-            shape[d] = -(-shape[d] // p.device_mesh.size(j))
-    largest = 1
-    for n in shape:
-        largest *= n
-    if t.numel() > largest:
+# Note [8-bit blocks on every mesh]
+# The blocks of an 8-bit moment are the rows' (Note [8-bit row blocks] in csrc/quant8.h),
+# defined on the parameter's global shape, so that a shard holds whole blocks and the
+# scales of a DTensor parameter are a DTensor of shape ops.scales_shape_8bit(p.shape)
+# with the parameter's mesh and placements: FSDP2's and HSDP's Shard(0) (and the
+# _StridedShard(0) of FSDP2 over tensor parallelism) and Colwise tensor parallelism never
+# cut a row, and the rows' scales shard with them. The codes and scales are then the same
+# on every mesh, bit for bit, and a distributed checkpoint (DCP) reshards them like any
+# other tensor: saved on 4 ranks, it loads on 2 or 1. Where a sharding would cut a block:
+# * Shard(1) (Rowwise tensor parallelism) cuts each row; it is taken where every shard's
+#   part of a row is a whole number of blocks (e.g. 4096 columns over 2, 4, 8 or 16 ranks)
+#   and refused otherwise, with the parameter named (check_mesh_8bit), as is a Shard of a
+#   later dimension, whose shards interleave the blocks of a row;
+# * a 1-D DTensor parameter (a norm's weight, a bias) is one row that FSDP2 cuts wherever
+#   its element count divides, so on some mesh any block would be cut: it keeps FP32
+#   moments (bucket_precision), on every mesh alike. Norms and biases are a sliver of a
+#   model's memory. A 1-D parameter that is a plain tensor (one process, FSDP1's flat
+#   parameters, ZeRO) keeps 8-bit moments; its full state dict then differs from an FSDP2
+#   run's in those entries' form, which load_state_dict converts either way.
+def check_mesh_8bit(p: torch.Tensor, where: str) -> None:
+    """Raises unless every shard of DTensor ``p`` holds whole blocks of its rows and its
+    scales shard like it (Note [8-bit blocks on every mesh]). Decided on the global shape,
+    mesh sizes and placements: every rank decides alike."""
+    if not hasattr(p, "device_mesh") or p.dim() < 2:
+        return
+    _, row = ops.rows_8bit(p.shape)
+    per_row = ops.scales_shape_8bit(p.shape)[1]
+    inner = row // p.shape[1] if p.shape[1] else 0
+    problem = None
+    # Shard-like placements (Shard, and _StridedShard, whose is_shard() is False) by the
+    # dimension they cut.
+    cuts = [(j, pl, pl.dim % p.dim()) for j, pl in enumerate(p.placements) if hasattr(pl, "dim")]
+    dim1 = [(j, pl, d) for j, pl, d in cuts if d != 0]
+    for j, pl, d in dim1:
+        if d != 1 or type(pl).__name__ != "Shard" or len(dim1) > 1:
+            problem = f"{pl!r} on mesh dimension {j} interleaves the blocks of a row"
+            break
+        m = p.device_mesh.size(j)
+        chunk, scale_chunk = -(-p.shape[1] // m), -(-per_row // m)
+        for k in range(m):
+            size = max(0, min(chunk, p.shape[1] - k * chunk))
+            blocks = max(0, min(scale_chunk, per_row - k * scale_chunk))
+            if size and ((k * chunk * inner) % BLOCK_8BIT or -(-size * inner // BLOCK_8BIT) != blocks):
+                problem = (f"{pl!r} on mesh dimension {j} cuts rows of {row} elements into parts "
+                           f"of {chunk * inner}, not whole blocks of {BLOCK_8BIT}")  # fmt: skip
+                break
+        if problem:
+            break
+    if problem:
         raise ValueError(
-            f"a DTensor parameter of shape {tuple(p.shape)} with placements {p.placements} has "
-            f"a local shard of {t.numel()} elements, more than the {largest} of ceil-divided "
-            "shards that 8-bit moments reserve: use state_precision='bf16' or 'fp32' for it"
+            f"{where}: state_precision='8bit' keeps blocks of {BLOCK_8BIT} consecutive elements "
+            f"of each row (Note [8-bit blocks on every mesh] in ruda_torch/_state8bit.py), "
+            f"and this parameter of shape {tuple(p.shape)} with placements {p.placements} "
+            f"would cut them: {problem}. Give it state_precision='bf16' or 'fp32' (a param "
+            "group of its own, or min_8bit_size above its element count), or shard it along "
+            "its first dimension, or into parts of whole blocks"
         )
-    return largest
+
+
+def slot_layout(t: torch.Tensor) -> tuple[int, int]:
+    """(row, extent) of a local tensor's 8-bit slot (Note [8-bit row blocks] in
+    csrc/quant8.h): the row length the kernel lays out on whole blocks (0: the flat
+    tensor's blocks are the rows'), and the state elements the slot spans."""
+    rows, row = ops.rows_8bit(t.shape)
+    if rows <= 1 or row % BLOCK_8BIT == 0:
+        return 0, t.numel()
+    stride = -(-row // BLOCK_8BIT) * BLOCK_8BIT
+    return row, rows * stride
+
+
+def codes_strides(t: torch.Tensor, row: int) -> tuple[int, ...]:
+    """The strides of the codes of a slot laid out in rows of ``row`` elements (0: none):
+    contiguous within a row, rows on whole blocks."""
+    strides = torch.empty(t.shape, device="meta").stride()
+    if row == 0:
+        return strides
+    return (-(-row // BLOCK_8BIT) * BLOCK_8BIT, *strides[1:])
 
 
 def wrap_scales(scales: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
-    """The scales of an 8-bit moment as the entry holds them: the 1-D tensor itself, or
-    for a DTensor parameter a DTensor of one row per shard (Note [8-bit DTensor state])."""
+    """The scales of an 8-bit moment as the entry holds them (local ``scales`` of
+    ops.scales_shape_8bit(local shape)): themselves, or for a DTensor parameter a DTensor
+    of ops.scales_shape_8bit(p.shape) with its mesh and placements (Note [8-bit blocks on
+    every mesh])."""
     if not hasattr(p, "device_mesh"):
         return scales
-    from torch.distributed.tensor import DTensor, Replicate, Shard
+    from torch.distributed.tensor import DTensor
 
-    mesh = p.device_mesh
-    sharded = [pl.is_shard() for pl in p.placements]
-    shape = (*(mesh.size(j) if s else 1 for j, s in enumerate(sharded)), scales.numel())
-    placements = [Shard(j) if s else Replicate() for j, s in enumerate(sharded)]
-    local_rows = scales.view(*(1 for _ in sharded), scales.numel())
-    return DTensor.from_local(local_rows, mesh, placements, run_check=False, shape=shape,
+    shape = ops.scales_shape_8bit(p.shape)
+    return DTensor.from_local(scales, p.device_mesh, p.placements, run_check=False, shape=shape,
                               stride=torch.empty(shape, device="meta").stride())  # fmt: skip

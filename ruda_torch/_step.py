@@ -109,7 +109,7 @@ def _gather_bucket(b, group: dict, gi: int, work: StepWork) -> None:
         work.fresh.extend((b, i, group["amsgrad"]) for i in active if b.views[i] is None)
     if b.distributed:
         grads = [local(g) for g in grads]
-    if relayout:
+    if relayout or (b.eight_bit and b.staged):  # 8-bit moments stage permuted layouts too
         grads = [in_layout(b.targets[i], g) for i, g in zip(active, grads, strict=True)]
     call = FusedCall(b, group, active, grads, gi)
     work.calls.extend(split_by_dtype(call) if mixed else (call,))

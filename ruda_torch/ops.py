@@ -5,6 +5,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from . import _C, _build  # noqa: F401  (loading _C registers the schemas)
@@ -264,23 +266,64 @@ def _code8(op: str, code: str) -> int:
     return CODES_8BIT.index(code)
 
 
+def rows_8bit(shape) -> tuple[int, int]:
+    """``(rows, row length)`` of a tensor of ``shape`` as 8-bit codes cut it into blocks
+    (Note [8-bit row blocks] in csrc/quant8.h): rows along the first dimension, each the
+    product of the others; a 0-D or 1-D tensor is one row."""
+    shape = tuple(shape)
+    numel = math.prod(shape)
+    if len(shape) < 2:
+        return 1, numel
+    return shape[0], math.prod(shape[1:])
+
+
+def scales_shape_8bit(shape) -> tuple[int, ...]:
+    """The shape of the scales of a tensor of ``shape`` (Note [8-bit row blocks] in
+    csrc/quant8.h): ``(rows, blocks per row)``, or ``(blocks,)`` for a 0-D or 1-D tensor.
+    Defined on the shape alone, so that a shard along the first dimension has the scales
+    of its rows."""
+    rows, row = rows_8bit(shape)
+    per_row = -(-row // BLOCK_8BIT)
+    return (per_row,) if len(tuple(shape)) < 2 else (rows, per_row)
+
+
+def _padded_rows(shape) -> tuple[int, int, int] | None:
+    """(rows, row length, padded row length) where a tensor's rows do not fill whole blocks
+    and there is more than one (its codes are then coded row by row); None otherwise."""
+    rows, row = rows_8bit(shape)
+    if rows <= 1 or row % BLOCK_8BIT == 0:
+        return None
+    return rows, row, -(-row // BLOCK_8BIT) * BLOCK_8BIT
+
+
 def quantize_8bit(x: torch.Tensor, code: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """Blockwise 8-bit codes of an FP32 tensor (Note [8-bit moments] in csrc/quant8.h):
-    ``(codes, scales)``, ``codes`` uint8 shaped like ``x``, ``scales`` FP32, the largest
-    magnitude of each block of ``BLOCK_8BIT`` elements of ``x`` in row-major order.
-    ``code``: ``"signed"`` (a first moment) or ``"unsigned"`` (a second moment, which
-    stores magnitudes). Writes nothing else; on CPU and CUDA, with the same bits."""
+    """Blockwise 8-bit codes of an FP32 tensor (Note [8-bit moments] and Note [8-bit row
+    blocks] in csrc/quant8.h): ``(codes, scales)``, ``codes`` uint8 shaped like ``x``,
+    ``scales`` FP32 of shape ``scales_shape_8bit(x.shape)``: the largest magnitude of each
+    block of up to ``BLOCK_8BIT`` consecutive elements of one row of ``x`` (rows along the
+    first dimension; a row's last block shorter). ``code``: ``"signed"`` (a first moment)
+    or ``"unsigned"`` (a second moment, which stores magnitudes). Writes nothing else; on
+    CPU and CUDA, with the same bits. This is the format of ``state_precision="8bit"``'s
+    state entries."""
     c = _code8("quantize_8bit", code)
     if not isinstance(x, torch.Tensor) or x.dtype != torch.float32:
         raise TypeError(
             "ruda_torch.ops.quantize_8bit: x must be a float32 tensor (got "
             f"{x.dtype if isinstance(x, torch.Tensor) else type(x).__name__})"
         )
-    x = x.contiguous()
-    codes = torch.empty(x.shape, dtype=torch.uint8, device=x.device)
-    scales = torch.empty(-(-x.numel() // BLOCK_8BIT), dtype=torch.float32, device=x.device)
-    torch.ops.ruda_torch.quantize_8bit(x, codes, scales, c)
-    return codes, scales
+    padded = _padded_rows(x.shape)
+    scales = torch.empty(scales_shape_8bit(x.shape), dtype=torch.float32, device=x.device)
+    if padded is None:
+        x = x.contiguous()
+        codes = torch.empty(x.shape, dtype=torch.uint8, device=x.device)
+        torch.ops.ruda_torch.quantize_8bit(x, codes, scales.view(-1), c)
+        return codes, scales
+    rows, row, stride = padded  # each row on whole blocks, zeros after it (no scale changes)
+    staging = torch.zeros(rows, stride, dtype=torch.float32, device=x.device)
+    staging[:, :row] = x.reshape(rows, row)
+    codes = torch.empty(rows, stride, dtype=torch.uint8, device=x.device)
+    torch.ops.ruda_torch.quantize_8bit(staging, codes, scales.view(-1), c)
+    return codes[:, :row].reshape(x.shape), scales
 
 
 def packed_8bit_bytes(numel: int) -> int:
@@ -294,7 +337,7 @@ def pack_8bit(x: torch.Tensor, code: str) -> torch.Tensor:
     ``x``'s codes, padded with zero codes to whole blocks, then the blocks' scales: what
     ``adamw_scaled_`` takes as ``exp_avg`` / ``exp_avg_sq`` / ``max_exp_avg_sq`` for
     8-bit moments."""
-    codes, scales = quantize_8bit(x, code)
+    codes, scales = quantize_8bit(x.reshape(-1), code)  # the flat tensor's blocks
     n_blocks = scales.numel()
     out = torch.zeros(packed_8bit_bytes(x.numel()), dtype=torch.uint8, device=x.device)
     out[: codes.numel()] = codes.flatten()
@@ -320,12 +363,30 @@ def unpack_8bit(buffer: torch.Tensor, code: str, numel: int | None = None) -> to
 def dequantize_8bit(
     codes: torch.Tensor, scales: torch.Tensor, code: str, out: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """The FP32 values of quantize_8bit's ``(codes, scales)``, shaped like ``codes``
-    (into ``out`` when given: a contiguous FP32 tensor of as many elements)."""
+    """The FP32 values of quantize_8bit's ``(codes, scales)``, shaped like ``codes`` (into
+    ``out`` when given: a contiguous FP32 tensor of as many elements). ``scales`` of
+    ``scales_shape_8bit(codes.shape)``; or, for the earlier format of a tensor of two or
+    more dimensions, one-dimensional with one scale per block of ``BLOCK_8BIT`` codes of
+    the flat tensor."""
     c = _code8("dequantize_8bit", code)
     if out is None:
         out = torch.empty(codes.shape, dtype=torch.float32, device=codes.device)
-    torch.ops.ruda_torch.dequantize_8bit(codes, scales, out, c)
+    padded = _padded_rows(codes.shape)
+    if padded is None or scales.dim() == 1:  # flat blocks (or the earlier format's)
+        torch.ops.ruda_torch.dequantize_8bit(codes.contiguous(), scales.reshape(-1), out, c)
+        return out
+    if tuple(scales.shape) != scales_shape_8bit(codes.shape):
+        raise ValueError(
+            f"ruda_torch.ops.dequantize_8bit: codes of shape {tuple(codes.shape)} take scales "
+            f"of shape {scales_shape_8bit(codes.shape)} (one per block of each row), got "
+            f"{tuple(scales.shape)}"
+        )
+    rows, row, stride = padded
+    staging = torch.zeros(rows, stride, dtype=torch.uint8, device=codes.device)
+    staging[:, :row] = codes.reshape(rows, row)
+    values = torch.empty(rows, stride, dtype=torch.float32, device=codes.device)
+    torch.ops.ruda_torch.dequantize_8bit(staging, scales.reshape(-1), values, c)
+    out.view(rows, row).copy_(values[:, :row])
     return out
 
 

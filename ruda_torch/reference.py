@@ -250,6 +250,19 @@ def global_norm_reference(
 _BLOCK_8BIT = 256
 
 
+def _row_blocks(shape) -> tuple[int, int, int]:
+    """(rows, row length, blocks per row): rows along the first dimension, a 0-D or 1-D
+    tensor one row (Note [8-bit row blocks] in csrc/quant8.h)."""
+    shape = tuple(shape)
+    numel = math.prod(shape)
+    n_rows, row = (1, numel) if len(shape) < 2 else (shape[0], math.prod(shape[1:]))
+    return n_rows, row, -(-row // _BLOCK_8BIT)
+
+
+def _scales_shape(shape, n_rows: int, per_row: int) -> tuple[int, ...]:
+    return (per_row,) if len(tuple(shape)) < 2 else (n_rows, per_row)
+
+
 def _magnitude_values(exponent_bits: int, mantissa_bits: int) -> Tensor:
     """FP64 value of every magnitude code, in code order (which is value order)."""
     top = 2**exponent_bits - 1
@@ -276,19 +289,19 @@ def _code_table(code: str) -> Tensor:
 
 
 def quantize_8bit_reference(x: Tensor, code: str) -> tuple[Tensor, Tensor]:
-    """``ruda_torch.ops.quantize_8bit`` by definition: per block of 256 elements the scale
+    """``ruda_torch.ops.quantize_8bit`` by definition: per block (up to 256 consecutive
+    elements of one row, rows along the first dimension: Note [8-bit row blocks]) the scale
     (largest finite magnitude, 0 below 2^-126; negated when the block holds a non-finite
     value), q = x * fp32(1 / |scale|) rounded to FP32 and the nearest code of q; a
     non-finite value gets its special code (signed: 0x7E with its sign for +-inf, 0x7F for
     NaN; unsigned: 0xFE for inf, 0xFF for NaN)."""
     if code not in ("signed", "unsigned"):
         raise ValueError(f"code must be 'signed' or 'unsigned', got {code!r}")
-    x32 = x.detach().to("cpu", torch.float32).contiguous().flatten()
-    n = x32.numel()
-    blocks = -(-n // _BLOCK_8BIT)
-    padded = torch.zeros(blocks * _BLOCK_8BIT, dtype=torch.float32)
-    padded[:n] = x32
-    rows = padded.view(blocks, _BLOCK_8BIT)
+    n_rows, row, per_row = _row_blocks(x.shape)
+    x32 = x.detach().to("cpu", torch.float32).reshape(n_rows, row)
+    padded = torch.zeros(n_rows, per_row * _BLOCK_8BIT, dtype=torch.float32)
+    padded[:, :row] = x32
+    rows = padded.view(n_rows * per_row, _BLOCK_8BIT)  # one block per row of `rows`
     finite_values = torch.isfinite(rows)
     special = ~finite_values.all(dim=1)
     largest = torch.where(finite_values, rows.abs(), 0.0).amax(dim=1)
@@ -310,7 +323,8 @@ def quantize_8bit_reference(x: Tensor, code: str) -> tuple[Tensor, Tensor]:
         nan_code = 0xFF
     codes = torch.where(torch.isinf(rows), inf_codes, codes)
     codes = torch.where(torch.isnan(rows), nan_code, codes)
-    return codes.flatten()[:n].to(torch.uint8).view(x.shape), scales
+    codes = codes.view(n_rows, per_row * _BLOCK_8BIT)[:, :row].to(torch.uint8)
+    return codes.reshape(x.shape), scales.view(_scales_shape(x.shape, n_rows, per_row))
 
 
 def dequantize_8bit_reference(codes: Tensor, scales: Tensor, code: str) -> Tensor:
@@ -318,7 +332,10 @@ def dequantize_8bit_reference(codes: Tensor, scales: Tensor, code: str) -> Tenso
     rounded once to FP32; in a block whose scale has its sign bit set, the special codes
     are +-inf and NaN and the others are times |scale| (a NaN scale with the sign bit
     clear, the earlier format's block with a non-finite value, decodes as all NaN)."""
-    flat = codes.detach().cpu().flatten().long()
+    n_rows, row, per_row = _row_blocks(codes.shape)
+    if scales.dim() == 1 and n_rows > 1:  # the earlier format: blocks of the flat tensor
+        n_rows, row, per_row = 1, codes.numel(), -(-codes.numel() // _BLOCK_8BIT)
+    flat = codes.detach().cpu().reshape(n_rows, row).long()
     table = _code_table(code)
     if code == "signed":
         magnitude = flat & 0x7F
@@ -330,8 +347,8 @@ def dequantize_8bit_reference(codes: Tensor, scales: Tensor, code: str) -> Tenso
         sign = torch.ones_like(flat, dtype=torch.float64)
         value = table[flat]
         inf_code, nan_code = 0xFE, 0xFF
-    block = torch.arange(flat.numel()) // _BLOCK_8BIT
-    block_scales = scales.detach().cpu().double()[block]
+    block = torch.arange(n_rows)[:, None] * per_row + torch.arange(row)[None, :] // _BLOCK_8BIT
+    block_scales = scales.detach().cpu().double().flatten()[block]
     special = torch.signbit(block_scales)
     out = torch.where(special, value * block_scales.abs(), value * block_scales)
     out = torch.where(special & (magnitude == inf_code), sign * math.inf, out)

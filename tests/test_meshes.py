@@ -472,32 +472,37 @@ def train_agreeing(layout, opt, what) -> None:
 
 
 def check_8bit_layout(rank: int, workdir: str, layout_name: str) -> None:
-    """8-bit moments on a mesh (Note [8-bit DTensor state] in ruda_torch/_state8bit.py): every
-    parameter's codes are a DTensor with its placements, its scales one row per shard;
-    every rank takes the same skip and clip decisions, and the model stays within the
-    codes' error of the FP32 moments' run."""
-    group = None
+    """8-bit moments on a mesh (Note [8-bit blocks on every mesh] in ruda_torch/_state8bit.py):
+    every parameter's codes are a DTensor with its placements, its scales one per block of
+    each row, sharded like it; every rank takes the same skip and clip decisions, and the
+    model stays within the codes' error of the FP32 moments' run. The Rowwise layers'
+    weights (rows of 14 cut into 7 + 7: not whole blocks) keep FP32 moments in a group of
+    their own; 1-D parameters keep them anyway."""
+    from ruda_torch import ops
+
     runs = {}
     for precision in ("8bit", "fp32"):
         layout = LAYOUTS[layout_name](rank)
         group = getattr(layout, "partition_group", None)
-        opt = ruda_torch.AdamW(layout.params(), **HP, fused_step=True, hierarchical_stats=True,
+        cut = [p for p in layout.params() if any(pl.is_shard(1) for pl in getattr(p, "placements", ()))]
+        rest = [p for p in layout.params() if all(p is not q for q in cut)]
+        groups = [{"params": rest}] + ([{"params": cut, "state_precision": "fp32"}] if cut else [])
+        opt = ruda_torch.AdamW(groups, **HP, fused_step=True, hierarchical_stats=True,
                                max_grad_norm=MAX_GRAD_NORM, partition_group=group,
                                state_precision=precision, min_8bit_size=1)  # fmt: skip
         train_agreeing(layout, opt, precision)
         runs[precision] = (layout, opt)
     layout, opt = runs["8bit"]
-    for p in layout.params():
+    eight_bit = [p for p in opt.param_groups[0]["params"] if p.dim() >= 2]
+    assert eight_bit
+    for p in eight_bit:
         st = opt.state[p]
         codes, scales = st["exp_avg_codes"], st["exp_avg_scales"]
         assert "exp_avg" not in st and codes.dtype == torch.uint8
-        if hasattr(p, "placements"):
-            assert codes.placements == p.placements and codes.shape == p.shape
-            mesh = p.device_mesh
-            assert scales.shape[:-1] == tuple(
-                mesh.size(j) if pl.is_shard() else 1 for j, pl in enumerate(p.placements)
-            )
-            assert _local(scales).numel() * 256 >= _local(codes).numel()
+        assert codes.placements == p.placements and codes.shape == p.shape
+        assert scales.placements == p.placements
+        assert tuple(scales.shape) == ops.scales_shape_8bit(p.shape)
+        assert tuple(_local(scales).shape) == ops.scales_shape_8bit(_local(codes).shape)
     full8, full32 = runs["8bit"][0].full_params(), runs["fp32"][0].full_params()
     for name, ref in full32.items():
         # 3 steps of lr 1e-2 from moments within 2^-5 of FP32's: well inside 2e-3.

@@ -268,12 +268,18 @@ BLOCK = ops.BLOCK_8BIT
 STEP_SIZES = [97, 0, 1025, 256, 4096, 16385, 65537]  # a CPU tile edge (16384) inside
 
 
-def _bucket_8bit(sizes, amsgrad, param_dtype=torch.float32, seed=0, master=False):
+def _bucket_8bit(sizes, amsgrad, param_dtype=torch.float32, seed=0, master=False, rows=None):
     """Parameters, FP32 gradients, and 8-bit moment buffers of a bucket whose slices start
-    blocks; the moments are quantized from random FP32 values."""
+    blocks; the moments are quantized from random FP32 values. ``rows``: each parameter's
+    row length (Note [8-bit row blocks] in csrc/quant8.h); a parameter of more than one row
+    whose rows are not whole blocks gets a slot laid out in rows (slots' third column)."""
     gen = torch.Generator().manual_seed(seed)
+    laid = [0] * len(sizes) if rows is None else [
+        r if 0 < r < n and r % BLOCK else 0 for n, r in zip(sizes, rows, strict=True)]  # fmt: skip
+    extents = [n if r == 0 else n // r * (-(-r // BLOCK) * BLOCK)
+               for n, r in zip(sizes, laid, strict=True)]  # fmt: skip
     offsets, total = [], 0
-    for n in sizes:
+    for n in extents:
         offsets.append(total)
         total += -(-n // BLOCK) * BLOCK
     params = [(torch.randn(n, generator=gen)).to(param_dtype) for n in sizes]
@@ -282,16 +288,19 @@ def _bucket_8bit(sizes, amsgrad, param_dtype=torch.float32, seed=0, master=False
     m = torch.randn(total, generator=gen) * 1e-2
     v = torch.rand(total, generator=gen) ** 4 * 1e-4
     vm = v * (1 + torch.rand(total, generator=gen))
-    for off, n in zip(offsets, sizes, strict=True):  # padding holds nothing
+    for off, n, r in zip(offsets, extents, laid, strict=True):  # padding holds nothing
         end = -(-(off + n) // BLOCK) * BLOCK
         for t in (m, v, vm):
             t[off + n : end] = 0
+            if r:  # each row's padding to whole blocks
+                t[off : off + n].view(-1, -(-r // BLOCK) * BLOCK)[:, r:] = 0
+    slots = [[off, i, *([] if rows is None else [laid[i]])] for i, off in enumerate(offsets)]
     state = {
         "exp_avg": ops.pack_8bit(m, "signed"),
         "exp_avg_sq": ops.pack_8bit(v, "unsigned"),
         "max_exp_avg_sq": ops.pack_8bit(vm, "unsigned") if amsgrad else None,
         "steps": torch.arange(len(sizes), dtype=torch.float32) + 3.0,
-        "slots": torch.tensor([[off, i] for i, off in enumerate(offsets)]).reshape(-1, 2),
+        "slots": torch.tensor(slots, dtype=torch.int64).reshape(len(sizes), -1),
         "master": None,
     }
     if master:
@@ -368,6 +377,49 @@ def test_8bit_step_is_the_fp32_step_on_decoded_moments(amsgrad, param_dtype, mas
             assert torch.equal(state["master"], ref["master"])
         for p, q in zip(params, ref_params, strict=True):  # the next step starts equal
             q.copy_(p)
+
+
+ROW_SHAPES = [(3, 97), (1, 1025), (4, 300), (2, 256), (17, 33), (0, 40), (9, 500), (70, 130)]
+
+
+@pytest.mark.parametrize("amsgrad", [False, True], ids=["adamw", "amsgrad"])
+@pytest.mark.parametrize("param_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_8bit_step_in_rows_is_the_fp32_step_on_its_rows(amsgrad, param_dtype):
+    """Slots laid out in rows (Note [8-bit row blocks] in csrc/quant8.h: rows of 97, 300,
+    33, 500 and 130 elements on whole blocks; one row, rows of whole blocks and no rows
+    flat): one fused pass equals the FP32 kernel on each row as a tensor of its own, from
+    the row's decoded blocks, then each row coded as its own blocks; parameters, codes and
+    scales bit for bit over three steps (a tile of 16384 state elements ends mid-row)."""
+    sizes, rows = [r * n for r, n in ROW_SHAPES], [n for _, n in ROW_SHAPES]
+    params, grads, state, offsets = _bucket_8bit(sizes, amsgrad, param_dtype, seed=9, rows=rows)
+    laid = state["slots"][:, 2].tolist()
+    # The reference bucket: every row a tensor of its own at its place in the slot, each
+    # with the step counter of its parameter.
+    slices, row_params, row_grads, step_of = [], [], [], []
+    for i, ((n_rows, r), off) in enumerate(zip(ROW_SHAPES, offsets, strict=True)):
+        stride = -(-r // BLOCK) * BLOCK if laid[i] else r
+        for j in range(n_rows):
+            slices.append((off + j * stride, r))
+            step_of.append(i)
+    ref_params = [p.clone() for p in params]
+    for step in range(3):
+        ref = _decoded(state)
+        ref["steps"] = state["steps"][step_of].clone()
+        row_params = [p.view(-1, r)[j] for p, (n_rows, r) in zip(ref_params, ROW_SHAPES, strict=True)
+                      for j in range(n_rows)]  # fmt: skip
+        row_grads = [g.view(-1, r)[j] for g, (n_rows, r) in zip(grads, ROW_SHAPES, strict=True)
+                     for j in range(n_rows)]  # fmt: skip
+        ref["slots"] = torch.tensor([[off, k] for k, (off, _) in enumerate(slices)],
+                                    dtype=torch.int64).reshape(-1, 2)  # fmt: skip
+        _step(row_params, row_grads, ref)
+        want = _requantized(ref, [o for o, _ in slices], [n for _, n in slices], state)
+        _step(params, grads, state)
+        for p, q in zip(params, ref_params, strict=True):
+            assert torch.equal(p.view(torch.int16 if p.element_size() == 2 else torch.int32),
+                               q.view(torch.int16 if q.element_size() == 2 else torch.int32))  # fmt: skip
+        for key, packed in want.items():
+            assert torch.equal(state[key], packed), f"{key} at step {step}"
+        assert state["steps"].tolist() == [4.0 + step + i for i in range(len(sizes))]
 
 
 @pytest.mark.parametrize("amsgrad", [False, True], ids=["adamw", "amsgrad"])

@@ -4,9 +4,10 @@ in ruda_torch/_state8bit.py, Note [8-bit state entries] in ruda_torch/_state8bit
 The oracle of a step is the algorithm itself, composed of parts tested on their own
 (tests/test_quant8.py: the codec against the FP64 reference, the fused 8-bit kernel
 against the FP32 kernel on decoded moments): decode every moment of the state, take one
-FP32 fused step of ruda_torch.AdamW, code the new moments with ops.quantize_8bit in the
-codes' memory order. Parameters, masters, codes, scales and counters must match bit for
-bit, through every option of the optimizer that the test names.
+FP32 fused step of ruda_torch.AdamW, code the new moments with ops.quantize_8bit (blocks of
+the rows: Note [8-bit row blocks] in csrc/quant8.h). Parameters, masters, codes, scales
+and counters must match bit for bit, through every option of the optimizer that the test
+names.
 """
 
 from __future__ import annotations
@@ -26,28 +27,30 @@ MOMENTS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
 
 
 class _Net(nn.Module):
-    """Parameters of both kinds: 8-bit (9,900 and 6,000 elements, both ending mid-block;
-    an (80, 70) transposed one of 5,600, dense but not contiguous) and FP32 (the biases,
-    below min_8bit_size)."""
+    """Parameters of both kinds: 8-bit ((300, 33) and (20, 300): rows of 33 and 300
+    elements, one block and one and a bit, so slots laid out in rows; an (80, 70)
+    transposed one of 5,600, dense but not contiguous, stepped through a contiguous copy)
+    and FP32 (the biases, below min_8bit_size)."""
 
-    def __init__(self, dtype=torch.float32, hidden=300, cols=70):
+    def __init__(self, dtype=torch.float32, hidden=300, cols=70, inputs=33, transposed=True):
         super().__init__()
         torch.manual_seed(0)
-        self.a = nn.Linear(33, hidden).to(dtype)
+        self.a = nn.Linear(inputs, hidden).to(dtype)
         self.b = nn.Linear(hidden, 20).to(dtype)
-        self.t = nn.Parameter((torch.randn(cols, 80) / 9).to(dtype).t())
+        t = (torch.randn(cols, 80) / 9).to(dtype).t()
+        self.t = nn.Parameter(t if transposed else t.contiguous())
 
     def forward(self, x):
         h = torch.tanh(self.a(x.to(self.a.weight.dtype)))
         return self.b(h).float().pow(2).mean() + (h[:, :80] @ self.t).float().pow(2).mean()
 
 
-def _batch(s: int) -> torch.Tensor:
-    return torch.randn(16, 33, generator=torch.Generator().manual_seed(s))
+def _batch(s: int, inputs: int = 33) -> torch.Tensor:
+    return torch.randn(16, inputs, generator=torch.Generator().manual_seed(s))
 
 
 def _backward(model, s: int, scale: float = 1.0) -> None:
-    (model(_batch(s)) * scale).backward()
+    (model(_batch(s, model.a.in_features)) * scale).backward()
 
 
 def _make(model, **kw):
@@ -62,20 +65,15 @@ def _train(model, opt, steps, start=0, scaler=None):
             _backward(model, s)
             opt.step()
         else:
-            scaler.scale(model(_batch(s))).backward()
+            scaler.scale(model(_batch(s, model.a.in_features))).backward()
             scaler.step(opt)
             scaler.update()
 
 
-def _memory_order(t: torch.Tensor) -> torch.Tensor:
-    """A dense tensor's elements in memory order (what the blocks of 8-bit codes follow)."""
-    return t.as_strided((t.numel(),), (1,))
-
-
 def _quantized(values: torch.Tensor, key: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """What an 8-bit entry holds for FP32 moment ``values``: codes in its memory order."""
+    """What an 8-bit entry holds for FP32 moment ``values``: the blocks of its rows."""
     code = "signed" if key == "exp_avg" else "unsigned"
-    return ops.quantize_8bit(_memory_order(values).contiguous(), code)
+    return ops.quantize_8bit(values.contiguous(), code)
 
 
 def _decoded_state(opt) -> dict:
@@ -88,7 +86,10 @@ def _oracle_step(model, opt, s: int, cls=ruda_torch.AdamW, edit_grads=None, **kw
     """One step of ``opt`` (made with ``kw`` and state_precision="8bit") against the
     oracle of the module docstring, from the current state: bit for bit. ``edit_grads``
     changes both models' gradients before their steps."""
-    twin = _Net(model.a.weight.dtype, model.a.out_features, model.t.shape[1])
+    # The twin's t contiguous: 8-bit moments step a transposed t through a contiguous copy
+    # (row-major), whose gradient statistics sum in that order.
+    twin = _Net(model.a.weight.dtype, model.a.out_features, model.t.shape[1],
+                model.a.in_features, transposed=False)  # fmt: skip
     with torch.no_grad():
         for q, p in zip(twin.parameters(), model.parameters(), strict=True):
             q.copy_(p)
@@ -123,7 +124,7 @@ def _oracle_step(model, opt, s: int, cls=ruda_torch.AdamW, edit_grads=None, **kw
                 assert same_bits(mine[key], want[key]), key
                 continue
             codes, scales = _quantized(want[key], key)
-            assert same_bits(_memory_order(mine[codes_key(key)]), codes), f"{key} codes at {s}"
+            assert same_bits(mine[codes_key(key)], codes), f"{key} codes at {s}"
             assert same_bits(mine[scales_key(key)], scales), f"{key} scales at {s}"
 
 
@@ -147,10 +148,11 @@ def test_8bit_steps_are_fp32_steps_on_decoded_moments(options):
     st = opt.state[model.a.weight]
     assert st[codes_key("exp_avg")].dtype == torch.uint8 and "exp_avg" not in st
     assert st[codes_key("exp_avg")].shape == model.a.weight.shape
-    assert st[scales_key("exp_avg")].shape == (-(-9900 // 256),)
+    assert st[scales_key("exp_avg")].shape == (300, 1)  # a block per row of 33
+    assert opt.state[model.b.weight][scales_key("exp_avg")].shape == (20, 2)
     assert opt.state[model.a.bias]["exp_avg"].dtype == torch.float32  # below min_8bit_size
     t = opt.state[model.t][codes_key("exp_avg_sq")]
-    assert t.stride() == model.t.stride()  # laid out as the parameter
+    assert t.shape == model.t.shape and t.stride() == (256, 1)  # rows of 70 on whole blocks
 
 
 FLT_MAX = torch.finfo(torch.float32).max
@@ -251,10 +253,11 @@ def test_adam_l2_decay_with_8bit_moments():
     ids=["master", "stochastic", "nearest"],
 )
 def test_bf16_parameters_with_8bit_moments(kw):
-    # Stochastic rounding draws an element's bits from its state offset: with sizes that
-    # are whole blocks, the FP32 twin's slots start where ours do.
+    # Stochastic rounding draws an element's bits from its state offset: with rows of
+    # whole blocks, the FP32 twin's slots start where ours do (and with contiguous
+    # parameters, which 8-bit moments step in row-major order, the FP32 step in memory order).
     model = (
-        _Net(torch.bfloat16, hidden=256, cols=64)
+        _Net(torch.bfloat16, hidden=256, cols=256, inputs=256, transposed=False)
         if kw.get("stochastic_rounding")
         else _Net(torch.bfloat16)
     )
@@ -281,8 +284,8 @@ def test_min_8bit_size_decides_per_parameter():
 
 def test_state_bytes_per_element():
     """Both moments in 2 + 8/256 bytes per element (the issue's bound: 2.1), 3.05 with
-    AMSGrad; the small parameters' FP32 moments are a sliver."""
-    model = _Net()
+    AMSGrad, for rows of whole blocks; the small parameters' FP32 moments are a sliver."""
+    model = _Net(hidden=256, cols=256, inputs=256)
     for amsgrad, bound in ((False, 2.1), (True, 3.1)):
         opt = _make(model, amsgrad=amsgrad)
         _train(model, opt, 1)
@@ -343,7 +346,7 @@ def test_torch_checkpoint_loads_quantized_and_ours_converts_back():
                 assert same_bits(st[key], topt.state[q][key])
                 continue
             codes, scales = _quantized(topt.state[q][key], key)
-            assert same_bits(_memory_order(st[codes_key(key)]), codes)
+            assert same_bits(st[codes_key(key)], codes)
             assert same_bits(st[scales_key(key)], scales)
             assert key not in st
     # Ours into torch: converted by dequantize_state_dict (the input is left as it was).
@@ -358,9 +361,8 @@ def test_torch_checkpoint_loads_quantized_and_ours_converts_back():
             if p.numel() >= 4096:
                 ours = opt.state[p]
                 code = "signed" if key == "exp_avg" else "unsigned"
-                want = ops.dequantize_8bit(_memory_order(ours[codes_key(key)]).contiguous(),
-                                           ours[scales_key(key)], code)  # fmt: skip
-                assert same_bits(_memory_order(st[key]), want)
+                want = ops.dequantize_8bit(ours[codes_key(key)], ours[scales_key(key)], code)
+                assert same_bits(st[key], want)
     # Unconverted, torch's step stops on the missing moment rather than stepping wrongly.
     raw = torch.optim.AdamW(_Net().parameters(), lr=1e-2, amsgrad=True)
     raw.load_state_dict(sd)
@@ -380,7 +382,7 @@ def test_changing_state_precision_converts_the_state():
     opt._current_plan()
     w = model.a.weight
     codes, scales = _quantized(fp32[w], "exp_avg")
-    assert same_bits(_memory_order(opt.state[w]["exp_avg_codes"]), codes)
+    assert same_bits(opt.state[w]["exp_avg_codes"], codes)
     assert same_bits(opt.state[w]["exp_avg_scales"], scales)
     _oracle_step(model, opt, 2)
     for precision, dtype in (("bf16", torch.bfloat16), ("fp32", torch.float32)):
@@ -452,7 +454,7 @@ def test_a_users_state_is_honoured_in_either_form():
     opt._current_plan()
     codes, scales = _quantized(values, "exp_avg")
     assert "exp_avg" not in opt.state[w]
-    assert same_bits(_memory_order(opt.state[w]["exp_avg_codes"]), codes)
+    assert same_bits(opt.state[w]["exp_avg_codes"], codes)
     # A pair replaced by another pair (another parameter's): copied exactly.
     other = opt.state[model.b.weight]
     src = {k: opt.state[w][k].clone() for k in ("exp_avg_sq_codes", "exp_avg_sq_scales")}
@@ -485,7 +487,7 @@ def _entry_error(mutate, match):
     entry = dict(sd["state"][0])
     mutate(entry)
     sd = {**sd, "state": {**sd["state"], 0: entry}}
-    p = opt.param_groups[0]["params"][0]  # model.t, transposed: 22 blocks
+    p = opt.param_groups[0]["params"][0]  # model.t, (80, 70): a block per row
     before = {k: v.clone() for k, v in opt.state[p].items()}
     with pytest.raises(ValueError, match=match):
         opt.load_state_dict(sd)
@@ -496,7 +498,7 @@ def _entry_error(mutate, match):
 @pytest.mark.parametrize(
     "case",
     ["half-pair", "both-forms", "codes-dtype", "codes-shape", "scales-dtype", "scales-count",
-     "codes-not-dense", "missing-moment"],
+     "scales-shape", "missing-moment"],
 )  # fmt: skip
 def test_bad_8bit_entries_are_refused_before_anything_changes(case):
     def mutate(e):
@@ -512,8 +514,8 @@ def test_bad_8bit_entries_are_refused_before_anything_changes(case):
             e["exp_avg_scales"] = e["exp_avg_scales"].double()
         elif case == "scales-count":
             e["exp_avg_scales"] = e["exp_avg_scales"][:-1]
-        elif case == "codes-not-dense":
-            e["exp_avg_codes"] = torch.zeros(80, 140, dtype=torch.uint8)[:, ::2]
+        elif case == "scales-shape":
+            e["exp_avg_scales"] = e["exp_avg_scales"].reshape(1, -1)
         else:
             del e["exp_avg_sq_codes"], e["exp_avg_sq_scales"]
 
@@ -523,8 +525,8 @@ def test_bad_8bit_entries_are_refused_before_anything_changes(case):
         "codes-dtype": "must be uint8",
         "codes-shape": "has shape",
         "scales-dtype": "must be float32",
-        "scales-count": "22 scale",
-        "codes-not-dense": "is not dense",
+        "scales-count": r"of shape \(80, 1\), one scale per block",
+        "scales-shape": r"got shape \(1, 80\)",
         "missing-moment": r"lacks \['exp_avg_sq'\]",
     }[case]
     _entry_error(mutate, match)

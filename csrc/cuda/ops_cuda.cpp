@@ -22,7 +22,7 @@ namespace {
 // Copies the host table to the device; the returned tensor must outlive the launch,
 // which the caching allocator guarantees for work already enqueued on this stream.
 at::Tensor upload_table(const std::vector<TensorEntry>& table, const at::Device& device) {
-  const int64_t words = static_cast<int64_t>(table.size()) * 6;
+  const int64_t words = static_cast<int64_t>(table.size()) * kTableWords;
   at::Tensor host = at::empty({words}, at::TensorOptions().dtype(at::kLong).pinned_memory(true));
   if (words > 0) std::memcpy(host.data_ptr(), table.data(), words * sizeof(int64_t));
   at::Tensor dev = at::empty({words}, at::TensorOptions().dtype(at::kLong).device(device));
@@ -131,7 +131,7 @@ void launch_flat_cuda(FlatBucket& fb, AdamWLaunch launch) {
   const auto stream = c10::cuda::getCurrentCUDAStream();
   ensure_table(fb.device_table, fb);  // Note [Flat device tables] in csrc/bindings.h
   if (flat_update_table_stale(fb)) {
-    const int64_t words = static_cast<int64_t>(fb.active.size()) * 6;
+    const int64_t words = static_cast<int64_t>(fb.active.size()) * kTableWords;
     rewrite_table(fb.device_table.narrow(0, 0, words), fb.active, fb, stream.stream());
     flat_update_table_written(fb);
   }
@@ -144,7 +144,7 @@ void launch_flat_analyze_cuda(FlatBucket& fb, int64_t lo, int64_t hi, PreparedSt
   const c10::cuda::CUDAGuard guard(fb.device);
   const auto stream = c10::cuda::getCurrentCUDAStream();
   ensure_table(fb.stats_device_table, fb);
-  at::Tensor slot = fb.stats_device_table.narrow(0, lo * 6, (hi - lo) * 6);
+  at::Tensor slot = fb.stats_device_table.narrow(0, lo * kTableWords, (hi - lo) * kTableWords);
   if (flat_stats_piece_stale(fb, lo, hi)) {  // once per subset and piece
     rewrite_table(slot, prep.table, fb, stream.stream());
     flat_stats_piece_written(fb, lo, hi);

@@ -147,7 +147,7 @@ void select(SimFlat& sim, const std::optional<std::vector<int64_t>>& active) {
 
 void write_entries(std::vector<int64_t>& table, int64_t entry,
                    const std::vector<ruda::TensorEntry>& entries) {
-  std::memcpy(table.data() + entry * 6, entries.data(), entries.size() * sizeof(entries[0]));
+  std::memcpy(table.data() + entry * ruda::kTableWords, entries.data(), entries.size() * sizeof(entries[0]));
 }
 
 void flat_step(SimFlat& sim, const std::optional<std::vector<int64_t>>& active, bool amsgrad,
@@ -179,7 +179,7 @@ void flat_analyze(SimFlat& sim, const std::optional<std::vector<int64_t>>& activ
     ruda::flat_stats_piece_written(fb, lo, hi);
     ++sim.stats_writes;
   }
-  prep.launch.table = reinterpret_cast<const ruda::TensorEntry*>(sim.stats_table.data() + lo * 6);
+  prep.launch.table = reinterpret_cast<const ruda::TensorEntry*>(sim.stats_table.data() + lo * ruda::kTableWords);
   ruda::analyze_gradient_cuda(prep.launch, nullptr);
 }
 

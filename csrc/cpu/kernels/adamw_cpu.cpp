@@ -447,26 +447,27 @@ void update_span(const AdamWLaunch& L, const TensorEntry& e, const StepCoefs<Mat
 // with non-finite moments (a negative scale before the step, or an infinity or NaN after
 // it) is coded by encode_block, and a range's last, partial block takes update_block8.
 
-// Elements [kb, kb + n) of one block (n <= kBlock8) the per-pass way.
+// One block the per-pass way: its codes from state index kc of the slice, its elements
+// [k0, k0 + n) (n <= kBlock8; Note [8-bit row blocks] in csrc/quant8.h).
 template <typename P, typename G, bool AMSGRAD>
 void update_block8(const AdamWLaunch& L, const TensorEntry& e, const StepCoefs<float>& c, int64_t t,
-                   int64_t kb, int64_t n) {
+                   int64_t kc, int64_t k0, int64_t n) {
   const int64_t off = e.state_offset;
-  uint8_t* mc = static_cast<uint8_t*>(L.exp_avg) + off;
-  uint8_t* vc = static_cast<uint8_t*>(L.exp_avg_sq) + off;
-  uint8_t* vmc = AMSGRAD ? static_cast<uint8_t*>(L.max_exp_avg_sq) + off : nullptr;
+  uint8_t* mc = static_cast<uint8_t*>(L.exp_avg) + off + kc;
+  uint8_t* vc = static_cast<uint8_t*>(L.exp_avg_sq) + off + kc;
+  uint8_t* vmc = AMSGRAD ? static_cast<uint8_t*>(L.max_exp_avg_sq) + off + kc : nullptr;
   alignas(64) float mf[kBlock8], vf[kBlock8], vmf[kBlock8];
-  const int64_t b = (off + kb) / kBlock8;
-  decode_block_cpu<Code8::kSigned>(mc + kb, L.exp_avg_scales[b], n, mf);
-  decode_block_cpu<Code8::kUnsigned>(vc + kb, L.exp_avg_sq_scales[b], n, vf);
-  if (AMSGRAD) decode_block_cpu<Code8::kUnsigned>(vmc + kb, L.max_exp_avg_sq_scales[b], n, vmf);
-  const MomentStore<float, float> m{mf, Rounding::kNearestEven, kb};
-  const MomentStore<float, float> v{vf, Rounding::kNearestEven, kb};
-  const MomentStore<float, float> vm{AMSGRAD ? vmf : nullptr, Rounding::kNearestEven, kb};
-  update_span<P, G, AMSGRAD>(L, e, c, t, kb, kb + n, m, v, vm);
-  encode_block<Code8::kSigned>(mf, n, mc + kb, L.exp_avg_scales + b);
-  encode_block<Code8::kUnsigned>(vf, n, vc + kb, L.exp_avg_sq_scales + b);
-  if (AMSGRAD) encode_block<Code8::kUnsigned>(vmf, n, vmc + kb, L.max_exp_avg_sq_scales + b);
+  const int64_t b = (off + kc) / kBlock8;
+  decode_block_cpu<Code8::kSigned>(mc, L.exp_avg_scales[b], n, mf);
+  decode_block_cpu<Code8::kUnsigned>(vc, L.exp_avg_sq_scales[b], n, vf);
+  if (AMSGRAD) decode_block_cpu<Code8::kUnsigned>(vmc, L.max_exp_avg_sq_scales[b], n, vmf);
+  const MomentStore<float, float> m{mf, Rounding::kNearestEven, k0};
+  const MomentStore<float, float> v{vf, Rounding::kNearestEven, k0};
+  const MomentStore<float, float> vm{AMSGRAD ? vmf : nullptr, Rounding::kNearestEven, k0};
+  update_span<P, G, AMSGRAD>(L, e, c, t, k0, k0 + n, m, v, vm);
+  encode_block<Code8::kSigned>(mf, n, mc, L.exp_avg_scales + b);
+  encode_block<Code8::kUnsigned>(vf, n, vc, L.exp_avg_sq_scales + b);
+  if (AMSGRAD) encode_block<Code8::kUnsigned>(vmf, n, vmc, L.max_exp_avg_sq_scales + b);
 }
 
 // One moment of one block as update_span sees it (Note [One pass per 8-bit block]): loads
@@ -553,12 +554,11 @@ void scale_block(const float* x, uint32_t largest, uint8_t* codes, float* scale,
   pending.codes[q] = codes;
 }
 
+// State indices [begin, end) of one tensor's slice (a tile of whole blocks; Note [8-bit
+// row blocks] in csrc/quant8.h maps them to elements).
 template <typename P, typename G, bool AMSGRAD>
 void update_range8(const AdamWLaunch& L, const TensorEntry& e, const StepCoefs<float>& c, int64_t t,
                    int64_t begin, int64_t end) {
-  // Whole blocks the one-pass way where the update is vectorized (Note [One pass per
-  // 8-bit block]); the portable x86-64 build steps scalars, the per-pass way.
-  const int64_t blocks = kVectorUpdate ? (end - begin) / kBlock8 : 0;
   const int64_t off = e.state_offset;
   uint8_t* const mc = static_cast<uint8_t*>(L.exp_avg) + off;
   uint8_t* const vc = static_cast<uint8_t*>(L.exp_avg_sq) + off;
@@ -567,21 +567,26 @@ void update_range8(const AdamWLaunch& L, const TensorEntry& e, const StepCoefs<f
   alignas(64) float mf[2][kBlock8], vf[2][kBlock8], vmf[2][kBlock8];
   PendingCodes pending;
   const auto code_pending = [&pending](int64_t k) { pending.code_vector(k); };
-  for (int64_t i = 0; i < blocks; ++i) {
-    const int64_t kb = begin + i * kBlock8;
-    const int64_t b = (off + kb) / kBlock8;
-    if (!cpu::vector_block(L.exp_avg_scales[b]) || !cpu::vector_block(L.exp_avg_sq_scales[b]) ||
+  int cur = 0;
+  for (int64_t kc = begin; kc < end; kc += kBlock8) {
+    const Block8 blk = block8_at(e, kc, end);
+    const int64_t kb = blk.first, b = (off + kc) / kBlock8;
+    // Whole blocks the one-pass way where the update is vectorized (Note [One pass per
+    // 8-bit block]); the portable x86-64 build steps scalars, the per-pass way, as do a
+    // shorter block and a block that met inf or NaN (rare).
+    if (!kVectorUpdate || blk.n != kBlock8 || !cpu::vector_block(L.exp_avg_scales[b]) ||
+        !cpu::vector_block(L.exp_avg_sq_scales[b]) ||
         (AMSGRAD && !cpu::vector_block(L.max_exp_avg_sq_scales[b]))) {
       pending.code_all();
-      update_block8<P, G, AMSGRAD>(L, e, c, t, kb, kBlock8);  // rare: a step met inf or NaN
+      update_block8<P, G, AMSGRAD>(L, e, c, t, kc, kb, blk.n);
       continue;
     }
-    const int cur = static_cast<int>(i & 1);
+    cur ^= 1;
     VI largest[3] = {VI(0), VI(0), VI(0)};
-    const Code8Moment<Code8::kSigned> m{mc + kb, L.exp_avg_scales[b], mf[cur], kb, &largest[0]};
-    const Code8Moment<Code8::kUnsigned> v{vc + kb, L.exp_avg_sq_scales[b], vf[cur], kb,
+    const Code8Moment<Code8::kSigned> m{mc + kc, L.exp_avg_scales[b], mf[cur], kb, &largest[0]};
+    const Code8Moment<Code8::kUnsigned> v{vc + kc, L.exp_avg_sq_scales[b], vf[cur], kb,
                                           &largest[1]};
-    const Code8Moment<Code8::kUnsigned> vm{AMSGRAD ? vmc + kb : nullptr,
+    const Code8Moment<Code8::kUnsigned> vm{AMSGRAD ? vmc + kc : nullptr,
                                            AMSGRAD ? L.max_exp_avg_sq_scales[b] : 0.0f, vmf[cur],
                                            kb, &largest[2]};
     if constexpr (kPipelineCodes) {
@@ -593,20 +598,17 @@ void update_range8(const AdamWLaunch& L, const TensorEntry& e, const StepCoefs<f
     } else {
       update_span<P, G, AMSGRAD>(L, e, c, t, kb, kb + kBlock8, m, v, vm);
     }
-    scale_block<Code8::kSigned>(mf[cur], largest_lane(largest[0]), mc + kb, L.exp_avg_scales + b,
+    scale_block<Code8::kSigned>(mf[cur], largest_lane(largest[0]), mc + kc, L.exp_avg_scales + b,
                                 pending, 0);
-    scale_block<Code8::kUnsigned>(vf[cur], largest_lane(largest[1]), vc + kb,
+    scale_block<Code8::kUnsigned>(vf[cur], largest_lane(largest[1]), vc + kc,
                                   L.exp_avg_sq_scales + b, pending, 1);
     if (AMSGRAD) {
-      scale_block<Code8::kUnsigned>(vmf[cur], largest_lane(largest[2]), vmc + kb,
+      scale_block<Code8::kUnsigned>(vmf[cur], largest_lane(largest[2]), vmc + kc,
                                     L.max_exp_avg_sq_scales + b, pending, 2);
     }
     if constexpr (!kPipelineCodes) pending.code_all();
   }
   pending.code_all();
-  for (int64_t kb = begin + blocks * kBlock8; kb < end; kb += kBlock8) {
-    update_block8<P, G, AMSGRAD>(L, e, c, t, kb, std::min(kBlock8, end - kb));
-  }
 }
 
 // Elements [begin, end) of one tensor at step t, its moments where the launch keeps them.
@@ -648,7 +650,8 @@ void run(const AdamWLaunch& L, double factor) {
         last_t = t;
       }
       const int64_t begin = (u - e.unit_start) * kCpuTile;
-      update_range<P, G, S, AMSGRAD>(L, e, c, t, begin, std::min(begin + kCpuTile, e.numel));
+      update_range<P, G, S, AMSGRAD>(L, e, c, t, begin,
+                                     std::min(begin + kCpuTile, state_extent(e)));
     }
   });
 }
