@@ -12,7 +12,13 @@ largest magnitude) per block, by each candidate code book:
              unsigned for exp_avg_sq; torchao's create_dynamic_map), nearest value
   s+EeMm     sign + e exponent bits + m mantissa bits, top binade [1, 2) (exp_avg)
   EeMm       e exponent bits + m mantissa bits (exp_avg_sq)
-  ours       ruda_torch.ops.quantize_8bit: s+E3M4 and E4M4 (the native kernels)
+  ours       ruda_torch.ops.quantize_8bit: s+E3M4 and E4M4 (the native kernels), on the
+             concatenated moments as the candidates above
+
+and, for the blocking (Note [8-bit row blocks] in csrc/quant8.h), ours on each tensor:
+
+  ours-flat  blocks of 256 of each tensor's flat elements (the earlier format)
+  ours-rows  blocks of up to 256 elements of each row (this format: the optimizer's)
 
 Reported: the relative error of the decoded moments (median, 99th percentile), the
 fraction of nonzero values coded as zero, and the error of the update
@@ -76,7 +82,17 @@ def ours(x: torch.Tensor, code: str) -> torch.Tensor:
     return ops.dequantize_8bit(codes, scales, code).double()
 
 
-def trained_moments(steps: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+def ours_per_tensor(moments: list[torch.Tensor], code: str, rows: bool) -> torch.Tensor:
+    """Each tensor coded by ours on its own (by its rows, or flat), decoded, concatenated."""
+    out = []
+    for x in moments:
+        x32 = x.float() if rows else x.float().flatten()
+        codes, scales = ops.quantize_8bit(x32, code)
+        out.append(ops.dequantize_8bit(codes, scales, code).double().flatten())
+    return torch.cat(out)
+
+
+def trained_moments(steps: int, seed: int):
     train, _, _, _ = quality.corpus(2_000_000)
     torch.manual_seed(seed)
     model = quality.ByteLM(128)
@@ -90,9 +106,11 @@ def trained_moments(steps: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, 
         if (step + 1) % max(1, steps // 5) == 0:
             print(f"  training: step {step + 1}/{steps}, loss {loss.item():.4f}", flush=True)
     big = [p for p in model.parameters() if p.numel() >= 4096]
-    m = torch.cat([opt.state[p]["exp_avg"].flatten().double() for p in big])
-    v = torch.cat([opt.state[p]["exp_avg_sq"].flatten().double() for p in big])
-    return m, v, steps
+    ms = [opt.state[p]["exp_avg"].detach().double().contiguous() for p in big]
+    vs = [opt.state[p]["exp_avg_sq"].detach().double().contiguous() for p in big]
+    shapes = sorted({tuple(p.shape) for p in big})
+    print(f"  tensors of >= 4096 elements: {len(big)}, shapes {shapes}")
+    return ms, vs, steps
 
 
 def main(argv=None) -> int:
@@ -102,7 +120,9 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     env = environment(torch.device("cpu"))
     print(f"quant8_error: torch {env['torch']}, CPU {env.get('cpu_model')}")
-    m, v, t = trained_moments(args.steps, args.seed)
+    ms, vs, t = trained_moments(args.steps, args.seed)
+    m = torch.cat([x.flatten() for x in ms])
+    v = torch.cat([x.flatten() for x in vs])
     b1, b2, eps = quality.HYPER["betas"][0], quality.HYPER["betas"][1], quality.HYPER["eps"]
     bc1, bc2 = 1 - b1**t, 1 - b2**t
 
@@ -124,6 +144,9 @@ def main(argv=None) -> int:
     for e, mm in ((4, 4), (5, 3), (3, 5)):
         second[f"E{e}M{mm}"] = blockwise(v, float_code(e, mm, False))
     first["ours"], second["ours"] = ours(m, "signed"), ours(v, "unsigned")
+    for name, rows in (("ours-flat", False), ("ours-rows", True)):
+        first[name] = ours_per_tensor(ms, "signed", rows)
+        second[name] = ours_per_tensor(vs, "unsigned", rows)
 
     def report(name, decoded, exact_values):
         nz = exact_values != 0
@@ -142,7 +165,14 @@ def main(argv=None) -> int:
     print("update from decoded moments: relative L2 error, fraction grown > 4x, largest |update|")
     print(f"  exact: largest |update| {exact.abs().max().item():.3g}")
     pairs = [("dyn", "dyn")] if "dyn" in first else []
-    pairs += [("s+E4M3", "E4M4"), ("s+E3M4", "E5M3"), ("s+E3M4", "E3M5"), ("ours", "ours")]
+    pairs += [
+        ("s+E4M3", "E4M4"),
+        ("s+E3M4", "E5M3"),
+        ("s+E3M4", "E3M5"),
+        ("ours", "ours"),
+        ("ours-flat", "ours-flat"),
+        ("ours-rows", "ours-rows"),
+    ]
     for a, b in pairs:
         u = update(first[a], second[b])
         err = ((u - exact).norm() / exact.norm()).item()

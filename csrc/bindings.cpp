@@ -107,6 +107,15 @@ int64_t state_capacity(const at::Tensor& moments, const std::optional<at::Tensor
   return moments.numel() / kPacked8 * kBlock8;
 }
 
+// The length of each moment's run of scales: the scales' share of each moment (separate
+// scales, whose runs may hold more than one per block of the state: Note [8-bit row
+// blocks] in csrc/quant8.h), or the blocks of the state (packed).
+int64_t scale_run_of(const at::Tensor& moments, const std::optional<at::Tensor>& max_moments,
+                     const std::optional<at::Tensor>& scales) {
+  if (scales.has_value()) return scales->numel() / (max_moments.has_value() ? 3 : 2);
+  return state_capacity(moments, scales) / kBlock8;
+}
+
 void check_scalar_fp32(const char* op, const std::optional<at::Tensor>& t, const char* name,
                        int64_t numel, const at::Device& device) {
   if (!t.has_value()) return;
@@ -240,9 +249,11 @@ AdamWLaunch prepare_launch(const char* op, size_t n, const at::Device& device,
                 ": with scales, 8-bit moment buffers (uint8) hold the codes of whole blocks of ",
                 kBlock8, " elements (got ", exp_avg.numel(), ")");
     check_flat(op, *scales, "scales", device);
-    TORCH_CHECK(scales->numel() >= n_moments * (capacity / kBlock8), "ruda_torch.", op,
-                ": scales must hold one float32 per block of each of the ", n_moments, " moments (",
-                n_moments * (capacity / kBlock8), "), got ", scales->numel());
+    TORCH_CHECK(
+        scales->numel() >= n_moments * (capacity / kBlock8) && scales->numel() % n_moments == 0,
+        "ruda_torch.", op, ": scales must hold one run of float32 scales per moment (", n_moments,
+        " runs of equal length), each at least one per block of the state (",
+        n_moments * (capacity / kBlock8), " in all), got ", scales->numel());
   } else if (sdtype == at::kByte) {
     TORCH_CHECK(exp_avg.numel() % kPacked8 == 0, "ruda_torch.", op,
                 ": 8-bit moment buffers (uint8) hold ", kPacked8, " bytes per block of ", kBlock8,
@@ -352,7 +363,7 @@ AdamWLaunch prepare_launch(const char* op, size_t n, const at::Device& device,
   L.exp_avg_scales = L.exp_avg_sq_scales = L.max_exp_avg_sq_scales = nullptr;
   if (sdtype == at::kByte && scales.has_value()) {  // one run of scales per moment
     float* run = scales->data_ptr<float>();
-    const int64_t blocks = capacity / kBlock8;
+    const int64_t blocks = scale_run_of(exp_avg, max_exp_avg_sq, scales);
     L.exp_avg_scales = run;
     L.exp_avg_sq_scales = run + blocks;
     L.max_exp_avg_sq_scales = L.amsgrad ? run + 2 * blocks : nullptr;
@@ -381,8 +392,9 @@ AdamWLaunch prepare_launch(const char* op, size_t n, const at::Device& device,
 
 // With 8-bit moments: whether a tensor of `entries` has a block the CUDA kernels do not
 // access directly (Note [8-bit CUDA registers] in csrc/cuda/adamw_cuda.cu): a last block
-// shorter than kBlock8, a slice laid out in rows (Note [8-bit row blocks]), or parameters, gradients, masters or codes not aligned for their
-// wide accesses (16 bytes for elements, 8 for codes).
+// shorter than kBlock8, a slice laid out in rows (Note [8-bit row blocks]), or parameters,
+// gradients, masters or codes not aligned for their wide accesses (16 bytes for elements, 8 for
+// codes).
 bool edges8_of(const AdamWLaunch& L, const std::vector<TensorEntry>& entries) {
   if (L.state_dtype != DType::kUInt8) return false;
   const auto misaligned = [](const void* p, uintptr_t bytes) {
@@ -479,7 +491,7 @@ PreparedStats prepare_flat_analyze(const FlatBucket& fb, int64_t lo, int64_t hi,
   int64_t n_rows = 0;
   for (int64_t i = lo; i < hi; ++i) {
     TensorEntry& e = prep.table[i - lo];
-    e = {nullptr, fb.active[i].grad, fb.active[i].numel, 0, 0, n_rows, 0};
+    e = {nullptr, fb.active[i].grad, fb.active[i].numel, 0, 0, n_rows, 0, 0};
     n_rows += stats_rows_for(e.numel);
   }
   check_scalar_fp32(op, grad_scale, "grad_scale", 1, fb.device);
@@ -494,7 +506,9 @@ PreparedStats prepare_flat_analyze(const FlatBucket& fb, int64_t lo, int64_t hi,
   return prep;
 }
 
-int64_t flat_table_words(const FlatBucket& fb) { return static_cast<int64_t>(fb.table.size()) * kTableWords; }
+int64_t flat_table_words(const FlatBucket& fb) {
+  return static_cast<int64_t>(fb.table.size()) * kTableWords;
+}
 
 bool flat_update_table_stale(const FlatBucket& fb) { return !fb.device_table_current; }
 
@@ -549,11 +563,17 @@ AdamWLaunch prepare_flat_step(const FlatBucket& fb, bool amsgrad,
                               double beta2, double eps, double weight_decay, double max_grad_norm,
                               bool maximize, const std::optional<at::Tensor>& lr_tensor,
                               int64_t rounding, int64_t seed, bool decoupled) {
+  // A step without AMSGrad over a bucket that has its maximum: the scales of the first two
+  // moments' runs (each run as long as when the handle was made).
+  std::optional<at::Tensor> scales = fb.scales;
+  if (scales.has_value() && !amsgrad && fb.max_exp_avg_sq.has_value()) {
+    scales = scales->narrow(0, 0, 2 * (scales->numel() / 3));
+  }
   AdamWLaunch L = prepare_launch(
       "adamw_scaled_", fb.active.size(), fb.device, fb.pdtype, fb.grad.scalar_type(), fb.exp_avg,
       fb.exp_avg_sq, amsgrad ? fb.max_exp_avg_sq : std::nullopt, fb.steps, grad_scale, found_inf,
       stats, clip_coef, lr, beta1, beta2, eps, weight_decay, max_grad_norm, maximize, fb.master,
-      lr_tensor, rounding, seed, decoupled, fb.scales);
+      lr_tensor, rounding, seed, decoupled, scales);
   int64_t units = 0;
   if (!fb.active.empty()) {
     const TensorEntry& e = fb.active.back();
@@ -589,13 +609,12 @@ PreparedAdamW prepare_adamw(
       prepare_launch(op, n, device, pdtype, gdtype, exp_avg, exp_avg_sq, max_exp_avg_sq, steps,
                      grad_scale, found_inf, stats, clip_coef, lr, beta1, beta2, eps, weight_decay,
                      max_grad_norm, maximize, master, lr_tensor, rounding, seed, decoupled, scales);
-  TORCH_CHECK(
-      slots.device().is_cpu() && slots.scalar_type() == at::kLong && slots.dim() == 2 &&
-          slots.size(0) == static_cast<int64_t>(n) && (slots.size(1) == 2 || slots.size(1) == 3) &&
-          slots.is_contiguous(),
-      "ruda_torch.", op, ": slots must be a contiguous CPU int64 tensor of shape [", n,
-      ", 2] or [", n, ", 3] (got ", slots.scalar_type(), " ", shape_str(slots), " on ",
-      slots.device(), ")");
+  TORCH_CHECK(slots.device().is_cpu() && slots.scalar_type() == at::kLong && slots.dim() == 2 &&
+                  slots.size(0) == static_cast<int64_t>(n) &&
+                  (slots.size(1) == 2 || slots.size(1) == 4) && slots.is_contiguous(),
+              "ruda_torch.", op, ": slots must be a contiguous CPU int64 tensor of shape [", n,
+              ", 2] or [", n, ", 4] (got ", slots.scalar_type(), " ", shape_str(slots), " on ",
+              slots.device(), ")");
   const int64_t slot_width = slots.size(1);
   if (n > 0 && grads[0].defined()) check_update_grad_dtype(op, grads[0], pdtype);
   const int64_t* slot = slots.data_ptr<int64_t>();
@@ -609,6 +628,8 @@ PreparedAdamW prepare_adamw(
   read_only.reserve(n);
   std::vector<std::pair<int64_t, int64_t>> slices;  // (offset, end) of each state slice
   slices.reserve(n);
+  std::vector<std::pair<int64_t, int64_t>> scale_spans;  // of each 8-bit slice's scales
+  const int64_t scale_run = scale_run_of(exp_avg, max_exp_avg_sq, scales);
   std::vector<int64_t> step_ids(n);
   int64_t units = 0;
   for (size_t i = 0; i < n; ++i) {
@@ -632,18 +653,27 @@ PreparedAdamW prepare_adamw(
                 "); make it with torch.empty_like(param).copy_(grad)");
     const int64_t* si = slot + slot_width * i;
     const int64_t off = si[0], sid = si[1], numel = p.numel();
-    // Note [8-bit row blocks] in csrc/quant8.h: rows of `row` elements, each on whole blocks.
-    const int64_t row = slot_width == 3 ? si[2] : 0;
-    TORCH_CHECK(row == 0 || (blocks8 && row > 0 && row < kMaxUnits && numel % row == 0 &&
-                             p.is_contiguous()),
+    // Note [8-bit row blocks] in csrc/quant8.h: rows of `row` elements that are not whole
+    // blocks, their scales from `scale_off` of each moment's run.
+    const int64_t row = slot_width == 4 ? si[2] : 0, scale_off = slot_width == 4 ? si[3] : 0;
+    TORCH_CHECK(row == 0 || (blocks8 && scales.has_value() && row > 0 && row < kMaxUnits &&
+                             numel % row == 0 && p.is_contiguous()),
                 "ruda_torch.", op, ": slots[", i, "] gives params[", i, "] rows of ", row,
                 " elements; a row length (column 2 of slots) is for 8-bit moments (uint8 "
-                "exp_avg) of a contiguous parameter whose element count (", numel,
-                ") it divides, below 2^31, or 0 for none");
-    const int64_t extent = row == 0 ? numel : row_extent8(numel, row);
-    TORCH_CHECK(off >= 0 && off <= state_numel - extent, "ruda_torch.", op, ": slots[", i,
-                "] puts params[", i, "] (", extent, " elements) at offset ", off,
+                "exp_avg) with separate scales, of a contiguous parameter whose element count (",
+                numel, ") it divides, below 2^31, or 0 for none");
+    const int64_t blocks =
+        row == 0 ? (numel + kBlock8 - 1) / kBlock8 : row_extent8(numel, row) / kBlock8;
+    TORCH_CHECK(off >= 0 && off <= state_numel - numel, "ruda_torch.", op, ": slots[", i,
+                "] puts params[", i, "] (", numel, " elements) at offset ", off,
                 ", outside the state buffers of ", state_numel, " elements");
+    if (blocks8 && numel > 0) {
+      const int64_t first = row == 0 ? off / kBlock8 : scale_off;
+      TORCH_CHECK(first >= 0 && first <= scale_run - blocks, "ruda_torch.", op, ": slots[", i,
+                  "] puts the ", blocks, " scale(s) of params[", i, "] at ", first,
+                  ", outside each moment's run of ", scale_run, " scales");
+      scale_spans.emplace_back(first, first + blocks);
+    }
     TORCH_CHECK(!blocks8 || off % kBlock8 == 0, "ruda_torch.", op, ": slots[", i, "] puts params[",
                 i, "] at offset ", off,
                 "; with 8-bit moments every slice "
@@ -651,7 +681,7 @@ PreparedAdamW prepare_adamw(
                 kBlock8, " elements");
     TORCH_CHECK(sid >= 0 && sid < n_steps, "ruda_torch.", op, ": slots[", i, "] step index ", sid,
                 " is outside steps (", n_steps, " counters)");
-    if (numel > 0) slices.emplace_back(off, off + extent);
+    if (numel > 0) slices.emplace_back(off, off + numel);
     step_ids[i] = sid;
     written.push_back(span_of(p, "params", i));
     read_only.push_back(span_of(grads[i], "grads", i));
@@ -663,7 +693,14 @@ PreparedAdamW prepare_adamw(
     e.step_index = sid;
     e.unit_start = units;
     e.row = row;
-    units += (extent + unit - 1) / unit;
+    e.scale_offset = scale_off;
+    units += (state_extent(e) + unit - 1) / unit;
+  }
+  std::sort(scale_spans.begin(), scale_spans.end());
+  for (size_t i = 1; i < scale_spans.size(); ++i) {
+    TORCH_CHECK(scale_spans[i].first >= scale_spans[i - 1].second, "ruda_torch.", op,
+                ": two parameters share 8-bit scales (from ", scale_spans[i - 1].first, " and ",
+                scale_spans[i].first, "); check slots");
   }
   std::sort(slices.begin(), slices.end());
   for (size_t i = 1; i < slices.size(); ++i) {
@@ -726,6 +763,7 @@ PreparedStats prepare_analyze(at::TensorList grads, const std::optional<at::Tens
     e.step_index = 0;
     e.unit_start = n_rows;
     e.row = 0;
+    e.scale_offset = 0;
     n_rows += stats_rows_for(e.numel);
     read_only.push_back(span_of(grads[i], "grads", i));
   }

@@ -64,26 +64,33 @@ constexpr int64_t kBlock8 = 256;
 // blocks on every mesh]): a parameter of shape (d0, d1, ..., dk) is d0 rows of R = d1 ...
 // dk elements (a 0-D or 1-D one is one row), and each row is cut into blocks of kBlock8
 // consecutive elements, its last block shorter when kBlock8 does not divide R. Where it
-// does (or there is one row), the blocks are those of the flat tensor. Where it does not,
-// the state slice lays each row out on whole blocks: row r's codes start at r * S, S = R
-// rounded up to kBlock8 (row_stride8), so that every block still starts at a multiple of
-// kBlock8 of the state buffers and finds its scale at its state index / kBlock8; the
-// codes past R in a row are never read as values. The kernels then walk the slice's state
-// indices (row_extent8 of them) and map each block to its elements (block8_at); the
-// parameter, gradient, master and the stochastic rounding's index stay at the element's
-// own index. TensorEntry::row is R for such a slice, 0 for a flat one.
+// does (or there is one row), the blocks are those of the flat tensor: block b of a slice
+// at state offset `off` (a multiple of kBlock8) has its scale at (off / kBlock8 + b) of
+// each moment's run of scales, as before. Where it does not (TensorEntry::row = R), the
+// codes stay one per element at the element's own state index (no gaps: a row of 33
+// elements costs 33 bytes, not a block's 256), and the tensor's rows * ceil(R / kBlock8)
+// scales lie apart, from TensorEntry::scale_offset of each run. The kernels walk such a
+// tensor as if each row were laid out on whole blocks (row_stride8: R rounded up to
+// kBlock8; row_extent8 indices, so a tile is still whole blocks), and map each block of
+// that walk to its first element and its count (block8_at) and its scale (scale_index8).
+// The parameter, gradient, codes, master and the stochastic rounding's index are the
+// element's own.
 RUDA_HOST_DEVICE inline int64_t row_stride8(int64_t row) {
   return (row + kBlock8 - 1) / kBlock8 * kBlock8;
 }
 RUDA_HOST_DEVICE inline int64_t row_extent8(int64_t numel, int64_t row) {
   return numel / row * row_stride8(row);
 }
-// The state elements a tensor's slice spans.
+// The indices of a tensor's walk (its elements, or its rows on whole blocks).
 RUDA_HOST_DEVICE inline int64_t state_extent(const TensorEntry& e) {
   return e.row == 0 ? e.numel : row_extent8(e.numel, e.row);
 }
-// The block whose first state index (from the slice's start) is kc, in a range of the
-// slice ending at `end`: its first element and its element count.
+// The scale (in each moment's run) of the block at index kc of a tensor's walk.
+RUDA_HOST_DEVICE inline int64_t scale_index8(const TensorEntry& e, int64_t kc) {
+  return e.row == 0 ? (e.state_offset + kc) / kBlock8 : e.scale_offset + kc / kBlock8;
+}
+// The block at index kc of a tensor's walk, in a range of it ending at `end`: its first
+// element and its element count.
 struct Block8 {
   int64_t first;
   int64_t n;

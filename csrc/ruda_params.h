@@ -28,11 +28,13 @@ struct TensorEntry {
   int64_t state_offset;  // first element of its slice in the flat state buffers
   int64_t step_index;    // its step counter in the flat `steps` buffer
   int64_t unit_start;    // first unit (tile or statistics row) of this tensor
-  // With 8-bit moments, the length of the tensor's rows when its state slice lays each
-  // row out on whole blocks (Note [8-bit row blocks] in csrc/quant8.h); 0 otherwise.
+  // With 8-bit moments, the length of the tensor's rows when they are not whole blocks
+  // (Note [8-bit row blocks] in csrc/quant8.h), and then its first scale in each moment's
+  // run of scales; 0 and unused otherwise.
   int64_t row;
+  int64_t scale_offset;
 };
-constexpr int64_t kTableWords = 7;
+constexpr int64_t kTableWords = 8;
 static_assert(sizeof(TensorEntry) == kTableWords * sizeof(int64_t),
               "TensorEntry is copied as int64[kTableWords]");
 

@@ -13,13 +13,17 @@
 - ``ruda_torch.dequantize_state_dict``: an optimizer checkpoint with 8-bit moments
   (``state_precision="8bit"``) in torch.optim.AdamW's format;
   ``ruda_torch.master_weights_of``: every parameter's FP32 master, kept whole
-  (``master_weights=True``) or as a remainder (``master_weights="remainder"``).
+  (``master_weights=True``) or as a remainder (``master_weights="remainder"``);
+  ``ruda_torch.match_checkpoint``: the template for ``torch.distributed.checkpoint.load``
+  of a checkpoint whose moments are in another form (another ``state_precision``, the
+  first 8-bit format).
 - ``ruda_torch.compiled_backends()``: which kernels this build contains;
   ``ruda_torch.cpu_capability()``: the vector ISA of the CPU kernels in use.
 """
 
 from . import amp, ops
 from ._build import compiled_backends, cpu_capability
+from ._checkpoint import match_checkpoint
 from ._remainder import master_weights_of
 from ._state8bit import dequantize_state_dict
 from .functional import AdamWOptions, AdamWState, StepControl, StepResult, adamw_step
@@ -43,5 +47,6 @@ __all__ = [
     "cpu_capability",
     "dequantize_state_dict",
     "master_weights_of",
+    "match_checkpoint",
     "ops",
 ]

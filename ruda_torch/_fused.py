@@ -82,12 +82,11 @@ from ._common import (
 )
 from ._remainder import master_from_remainder, remainder_of_master
 from ._state8bit import (
-    blocks_8bit,
-    codes_strides,
-    slot_layout,
+    blocks_of_8bit,
     moment_code,
     moment_values,
     pair_format,
+    slot_row,
     wrap_scales,
 )
 from ._validate import check_flat_grad_dtype
@@ -130,17 +129,23 @@ class Bucket:
         self.eight_bit = precision == "8bit" and self.dtype != torch.float64
         align = BLOCK_8BIT if self.eight_bit else _ALIGN
         # With 8-bit moments, each slot's rows (Note [8-bit row blocks] in csrc/quant8.h):
-        # the row length the kernel lays out on whole blocks (0: none), the state elements
-        # the slot spans, and its scales (one per block).
-        layouts = [slot_layout(t) if self.eight_bit else (0, t.numel()) for t in self.locals]
-        self.rows8 = [row for row, _ in layouts]
-        self.blocks = [blocks_8bit(extent) if self.eight_bit else 0 for _, extent in layouts]
+        # their length where they are not whole blocks (0: the flat tensor's blocks), and
+        # its scales (one per block).
+        self.rows8 = [slot_row(t) if self.eight_bit else 0 for t in self.locals]
+        self.blocks = [blocks_of_8bit(t) if self.eight_bit else 0 for t in self.locals]
         offsets, total = [], 0
-        for _, extent in layouts:
+        for t in self.locals:
             offsets.append(total)
-            total += -(-extent // align) * align
+            total += -(-t.numel() // align) * align
         self.offsets = offsets
         self.capacity = total  # state elements of each moment buffer
+        # Each moment's run of scales: a flat slot's at its offset / BLOCK_8BIT, then those
+        # of the slots laid out in rows, one after another.
+        self.scale_offsets, run = [], total // BLOCK_8BIT if self.eight_bit else 0
+        for i, off in enumerate(offsets):
+            self.scale_offsets.append(run if self.rows8[i] else off // BLOCK_8BIT)
+            run += self.blocks[i] if self.rows8[i] else 0
+        self.scale_run = run
         state_dtype = state_dtype_of(self.dtype, precision)
         opts = dict(dtype=state_dtype, device=self.device)
         self.exp_avg = torch.zeros(total, **opts)
@@ -149,7 +154,7 @@ class Bucket:
         self.scales = None
         if self.eight_bit:
             runs = 3 if amsgrad else 2
-            self.scales = torch.zeros(runs * total // BLOCK_8BIT, dtype=torch.float32,
+            self.scales = torch.zeros(runs * self.scale_run, dtype=torch.float32,
                                       device=self.device)  # fmt: skip
         # The masters of 16-bit parameters (master_weights): FP32, or for BF16 parameters
         # the int16 remainders of FP32 ones (Note [Remainder master] in csrc/adamw_math.h),
@@ -179,11 +184,14 @@ class Bucket:
         for i in self.staged:
             t = self.locals[i]
             self.targets[i] = torch.empty(t.shape, dtype=t.dtype, device=t.device)
-        # (offset, step counter, and with 8-bit moments the row length) per slot.
+        # (offset, step counter, and with 8-bit moments the row length and first scale) per
+        # slot (ops.adamw_scaled_'s slots).
+        extra = (
+            (lambda i: [self.rows8[i], self.scale_offsets[i]]) if self.eight_bit else (lambda i: [])
+        )
         self.slots_all = torch.tensor(
-            [[off, i, *([self.rows8[i]] if self.eight_bit else [])] for i, off in enumerate(offsets)],
-            dtype=torch.int64,
-        ).reshape(-1, 3 if self.eight_bit else 2)
+            [[off, i, *extra(i)] for i, off in enumerate(offsets)], dtype=torch.int64
+        ).reshape(-1, 4 if self.eight_bit else 2)
         # views[i]: the state values this bucket put into entries[i] (the state entry of
         # params[i]), or None while params[i] has no state.
         self.views: list[dict | None] = [None] * len(params)
@@ -276,15 +284,20 @@ class Bucket:
 
     def _pair(self, key: str, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Slot i of 8-bit moment ``key`` as tensors of their own: its codes shaped like the
-        parameter (rows on whole blocks: Note [8-bit row blocks] in csrc/quant8.h) and its
-        scales (ops.scales_shape_8bit of the local shape)."""
+        (local) parameter, contiguous, and its scales, of ops.scales_shape_8bit of its shape
+        (Note [8-bit row blocks] in csrc/quant8.h)."""
         t = self.locals[i]
-        codes = own(getattr(self, key), self.offsets[i], t.shape, codes_strides(t, self.rows8[i]))
-        return codes, self._scales(key, i).view(ops.scales_shape_8bit(t.shape))
+        codes = own(getattr(self, key), self.offsets[i], t.shape)
+        run = STATE_KEYS.index(key) * self.scale_run
+        scales = own(self.scales, run + self.scale_offsets[i], ops.scales_shape_8bit(t.shape))
+        return codes, scales
 
-    def _scales(self, key: str, i: int) -> torch.Tensor:
-        run = STATE_KEYS.index(key) * (self.capacity // BLOCK_8BIT)
-        return own(self.scales, run + self.offsets[i] // BLOCK_8BIT, (self.blocks[i],))
+    def scales_for(self, amsgrad: bool) -> torch.Tensor | None:
+        """The scales a step takes: every moment's run, or without AMSGrad the first two
+        (a bucket that has the maximum's runs, stepped without it)."""
+        if self.scales is None or amsgrad or self.max_exp_avg_sq is None:
+            return self.scales
+        return self.scales[: 2 * self.scale_run]
 
     def _own_slice(self, buf: torch.Tensor, i: int) -> torch.Tensor:
         """Slot i of a flat buffer as a tensor of its own (not a view in autograd's sense),

@@ -57,6 +57,7 @@ from operator import is_ as _same
 import torch
 
 from . import _C
+from ._checkpoint import in_layout_of
 from ._common import EIGHT_BIT_KEYS, MASTER_KEYS, MIN_8BIT_SIZE, STATE_KEYS, local, master_kind
 from ._fused import Bucket
 from ._options import check_fused_param, check_group_options
@@ -215,14 +216,11 @@ def derive(opt, previous: FusedPlan | None, needs_global: bool) -> FusedPlan:
     kept_memory = {buf.untyped_storage().data_ptr() for b in reused for buf in b.buffers}
     staged = []
     for b, i, p, entry, step, with_max in adopt:
-        values = {}
-        for key in (*STATE_KEYS, *EIGHT_BIT_KEYS, *MASTER_KEYS):
-            value = entry.get(key)
-            if isinstance(value, torch.Tensor):
-                value = local(value)
-                if value.untyped_storage().data_ptr() in kept_memory:
-                    value = value.clone()
-                values[key] = value
+        # Local tensors in p's layout (Note [Entries in another layout]).
+        values = in_layout_of(p, entry, (*STATE_KEYS, *EIGHT_BIT_KEYS, *MASTER_KEYS))
+        for key, value in values.items():
+            if value.untyped_storage().data_ptr() in kept_memory:
+                values[key] = value.clone()
         staged.append((b, i, p, entry, step, values, with_max))
     for b, i in forget:
         b.forget(i)

@@ -4,6 +4,7 @@ entries, and the conversion to torch's format. A new state format is a sibling f
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 
 import torch
@@ -26,9 +27,12 @@ from ._common import (
 # With state_precision="8bit" a parameter of at least ``min_8bit_size`` elements (a group
 # option, 4,096 by default; the whole parameter's count, so that every rank of a sharded
 # one decides alike) keeps its moments as blockwise 8-bit codes (Note [8-bit moments] in
-# csrc/quant8.h): its bucket's moment buffers are uint8 codes, every slot starting a
-# block, and one FP32 buffer ``scales`` holds each moment's scales in turn, one per block
-# (a storage apart from the codes: torch.save refuses two dtypes over one storage).
+# csrc/quant8.h): its bucket's moment buffers are uint8 codes, one per element, every slot
+# starting at a multiple of 256, and one FP32 buffer ``scales`` holds a run of scales per
+# moment (a storage apart from the codes: torch.save refuses two dtypes over one storage):
+# a slot's at its offset / 256 where its rows are whole blocks, else after those (Note
+# [8-bit row blocks] in csrc/quant8.h). A 1-D DTensor parameter keeps FP32 moments (Note
+# [8-bit blocks on every mesh]).
 # Smaller parameters (biases, norms: a sliver of the memory, and the ones whose few blocks
 # quantize worst) keep FP32 moments in a bucket of their own, as bitsandbytes' (its
 # ``min_8bit_size``) and torchao's 8-bit optimizers do below 4,096 elements. The state
@@ -127,9 +131,13 @@ def check_8bit(entry, p: torch.Tensor, key: str, where: str) -> None:
     check_shape(codes, p, ck, where)
     lc, ls = local(codes), local(scales)
     form = pair_format(lc, ls)
-    if form == "rows" and hasattr(scales, "device_mesh"):
+    mesh = getattr(scales, "device_mesh", None)
+    if form == "rows" and mesh is not None:
         if tuple(scales.shape) != ops.scales_shape_8bit(codes.shape):
             form = None  # local scales that fit, a global shape that does not
+    elif form == "flat":  # the earlier format: 1-D, or on a mesh one row of scales per shard
+        if (scales.dim() != 1) if mesh is None else (scales.dim() != mesh.ndim + 1):
+            form = None
     if form is None:
         raise ValueError(
             f"{where}[{sk!r}] must be a contiguous float32 tensor of shape "
@@ -191,13 +199,15 @@ def dequantize_entries(state_dict: dict, only: set | None = None) -> dict:
             if moment_format(entry, key, where) == "8bit":
                 codes = entry[codes_key(key)]
                 check_8bit(entry, codes, key, where)  # against the codes' own shape
-                new[key] = _decoded(codes, entry[scales_key(key)], key)
+                new[key] = decoded_pair(codes, entry[scales_key(key)], key)
         new.update((k, v) for k, v in entry.items() if k not in new and k not in EIGHT_BIT_KEYS)
         state[index] = new
     return {**state_dict, "state": state}
 
 
-def _decoded(codes: torch.Tensor, scales: torch.Tensor, key: str) -> torch.Tensor:
+def decoded_pair(codes: torch.Tensor, scales: torch.Tensor, key: str) -> torch.Tensor:
+    """The FP32 values of 8-bit moment ``key``'s pair, decoded shard by shard: a DTensor
+    with the codes' placements for DTensor codes."""
     values = moment_values({codes_key(key): local(codes), scales_key(key): local(scales)}, key)
     if not hasattr(codes, "device_mesh"):
         return values
@@ -249,7 +259,9 @@ def check_mesh_8bit(p: torch.Tensor, where: str) -> None:
         for k in range(m):
             size = max(0, min(chunk, p.shape[1] - k * chunk))
             blocks = max(0, min(scale_chunk, per_row - k * scale_chunk))
-            if size and ((k * chunk * inner) % BLOCK_8BIT or -(-size * inner // BLOCK_8BIT) != blocks):
+            if size and (
+                (k * chunk * inner) % BLOCK_8BIT or -(-size * inner // BLOCK_8BIT) != blocks
+            ):
                 problem = (f"{pl!r} on mesh dimension {j} cuts rows of {row} elements into parts "
                            f"of {chunk * inner}, not whole blocks of {BLOCK_8BIT}")  # fmt: skip
                 break
@@ -266,24 +278,17 @@ def check_mesh_8bit(p: torch.Tensor, where: str) -> None:
         )
 
 
-def slot_layout(t: torch.Tensor) -> tuple[int, int]:
-    """(row, extent) of a local tensor's 8-bit slot (Note [8-bit row blocks] in
-    csrc/quant8.h): the row length the kernel lays out on whole blocks (0: the flat
-    tensor's blocks are the rows'), and the state elements the slot spans."""
+def slot_row(t: torch.Tensor) -> int:
+    """The row length the kernel walks a local tensor's 8-bit slot by (Note [8-bit row
+    blocks] in csrc/quant8.h): its rows' where they are not whole blocks and there is more
+    than one, else 0 (the flat tensor's blocks are the rows')."""
     rows, row = ops.rows_8bit(t.shape)
-    if rows <= 1 or row % BLOCK_8BIT == 0:
-        return 0, t.numel()
-    stride = -(-row // BLOCK_8BIT) * BLOCK_8BIT
-    return row, rows * stride
+    return row if rows > 1 and row % BLOCK_8BIT else 0
 
 
-def codes_strides(t: torch.Tensor, row: int) -> tuple[int, ...]:
-    """The strides of the codes of a slot laid out in rows of ``row`` elements (0: none):
-    contiguous within a row, rows on whole blocks."""
-    strides = torch.empty(t.shape, device="meta").stride()
-    if row == 0:
-        return strides
-    return (-(-row // BLOCK_8BIT) * BLOCK_8BIT, *strides[1:])
+def blocks_of_8bit(t: torch.Tensor) -> int:
+    """The scales of a local tensor's 8-bit moment: one per block of each row."""
+    return math.prod(ops.scales_shape_8bit(t.shape))
 
 
 def wrap_scales(scales: torch.Tensor, p: torch.Tensor) -> torch.Tensor:

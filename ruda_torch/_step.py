@@ -337,7 +337,7 @@ def run_kernel(opt, op, c: FusedCall, grad_scale, found_inf, stats, clip_coef, p
             b.steps,
             b.slots(c.active),
             master=b.master,
-            scales=b.scales,
+            scales=b.scales_for(bool(g["amsgrad"])),
         )
     try:
         op(

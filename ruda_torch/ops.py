@@ -60,9 +60,13 @@ def adamw_scaled_(
     buffers of codes and scales (``pack_8bit``; every slice starts a block of 256; Note
     [8-bit moments] in csrc/quant8.h), decoded, updated in FP32 and coded again with each
     block's new scale in one pass, rounded to nearest; with ``scales`` (FP32) the moment
-    buffers hold the codes alone (a whole number of blocks) and ``scales`` the scales of
-    each moment in turn (``exp_avg``'s, ``exp_avg_sq``'s, ``max_exp_avg_sq``'s, one per
-    block each), as the optimizer's buckets keep them. ``grads`` share one dtype (FP32, FP16 or BF16 for FP32 parameters; the
+    buffers hold the codes alone (a whole number of blocks) and ``scales`` a run of scales
+    per moment in turn (``exp_avg``'s, ``exp_avg_sq``'s, ``max_exp_avg_sq``'s, runs of
+    equal length, at least one per block each), as the optimizer's buckets keep them:
+    then ``slots`` may be ``[len(params), 4]``, ``(off, sid, row, first)``, where a
+    contiguous parameter of rows of ``row`` elements that are not whole blocks has its
+    blocks per row (Note [8-bit row blocks] in csrc/quant8.h) and their scales from
+    ``first`` of each run (``row`` 0: the flat tensor's blocks, scales at ``off / 256``). ``grads`` share one dtype (FP32, FP16 or BF16 for FP32 parameters; the
     parameters' dtype or FP32 for 16-bit ones; FP64 for FP64 ones), lay out their elements
     as their parameters do, and are never written.
 

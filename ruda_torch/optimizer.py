@@ -102,7 +102,8 @@ class AdamW(Optimizer):
             ``rounding_seed``; or ``"nearest"``) says. ``state_dict()`` holds the BF16
             moments (torch.optim.AdamW widens them when it loads them); an FP32
             checkpoint loads rounded to nearest. Or ``"8bit"``: each moment as blockwise
-            8-bit codes with one FP32 scale per block of 256 elements, about 2 bytes of
+            8-bit codes with one FP32 scale per block of up to 256 elements of a row
+            (rows along the first dimension, the same blocks on every mesh), about 2 bytes of
             state per element for both moments (Note [8-bit moments] in csrc/quant8.h),
             rounded to nearest, for parameters of at least ``min_8bit_size`` elements
             (int, default 4096; smaller ones keep FP32 moments); their state entries hold

@@ -253,20 +253,20 @@ def test_update_8bit_matches_cpu(sim, schedule, pdtype, amsgrad, master, roundin
     ids=["fp32-amsgrad", "bf16-stochastic", "fp16-amsgrad-master"],
 )  # fmt: skip
 def test_update_8bit_in_rows_matches_cpu(sim, schedule, pdtype, amsgrad, master, rounding, views):
-    """Slots laid out in rows on whole blocks (Note [8-bit row blocks] in csrc/quant8.h),
-    which the edge kernel steps block by block, each block mapped to its row's elements;
-    beside flat slots, a row of one tensor and rows of whole blocks (the direct kernel):
-    the CPU kernel's parameters, masters, codes, scales and counters, bit for bit."""
-    from test_quant8 import ROW_SHAPES, _bucket_8bit
+    """Tensors whose rows are not whole blocks (Note [8-bit row blocks] in csrc/quant8.h),
+    which the edge kernel steps block by block, each block mapped to its row's elements and
+    its scale apart; beside them a row of one tensor and rows of whole blocks (the direct
+    kernel): the CPU kernel's parameters, masters, codes, scales and counters, bit for
+    bit."""
+    from test_quant8 import ROW_SHAPES, _row_bucket
 
-    sizes, rows = [r * n for r, n in ROW_SHAPES], [n for _, n in ROW_SHAPES]
-    params, grads, state, _ = _bucket_8bit(sizes, amsgrad, pdtype, seed=13, master=master,
-                                           rows=rows)  # fmt: skip
+    params, grads, state, layout = _row_bucket(ROW_SHAPES, amsgrad, pdtype, seed=13,
+                                               master=master)  # fmt: skip
     if views == "unaligned":  # odd element offsets: not 16-byte aligned
         params = [torch.empty(p.numel() + 1, dtype=p.dtype)[1:].copy_(p) if i % 2 else p
                   for i, p in enumerate(params)]  # fmt: skip
     state = dict(state, params=params, grads=grads)
-    assert state["slots"][:, 2].ne(0).sum() == 5  # rows of 97, 300, 33, 500, 130
+    assert sum(row != 0 for _, _, row in layout) == 5  # rows of 97, 300, 33, 500, 130
     cpu, emu = _run_both(sim, state, rounding=rounding, seed=17, grad_scale=torch.tensor([2.0]))
     _compare(cpu, emu, f"8-bit rows {pdtype}")
     assert not torch.equal(cpu["exp_avg"], state["exp_avg"])  # the step wrote codes

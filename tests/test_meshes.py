@@ -484,7 +484,9 @@ def check_8bit_layout(rank: int, workdir: str, layout_name: str) -> None:
     for precision in ("8bit", "fp32"):
         layout = LAYOUTS[layout_name](rank)
         group = getattr(layout, "partition_group", None)
-        cut = [p for p in layout.params() if any(pl.is_shard(1) for pl in getattr(p, "placements", ()))]
+        cut = [
+            p for p in layout.params() if any(pl.is_shard(1) for pl in getattr(p, "placements", ()))
+        ]
         rest = [p for p in layout.params() if all(p is not q for q in cut)]
         groups = [{"params": rest}] + ([{"params": cut, "state_precision": "fp32"}] if cut else [])
         opt = ruda_torch.AdamW(groups, **HP, fused_step=True, hierarchical_stats=True,

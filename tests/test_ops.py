@@ -1091,13 +1091,13 @@ BAD_INPUTS = [
     ("steps_float64", _set("steps", lambda t: t.double()), r"steps must be float32"),
     (
         "slots_shape",
-        _set("slots", lambda s: torch.zeros(3, 4, dtype=torch.int64)),
-        r"slots must be a contiguous CPU int64 tensor of shape \[3, 2\] or \[3, 3\] "
-        r"\(got Long \[3, 4\] on cpu\)",
+        _set("slots", lambda s: torch.zeros(3, 3, dtype=torch.int64)),
+        r"slots must be a contiguous CPU int64 tensor of shape \[3, 2\] or \[3, 4\] "
+        r"\(got Long \[3, 3\] on cpu\)",
     ),
     (
         "slot_rows_without_8bit_moments",
-        _set("slots", lambda s: torch.cat([s, torch.tensor([[0], [5], [0]])], 1)),
+        _set("slots", lambda s: torch.cat([s, torch.tensor([[0, 0], [5, 0], [0, 0]])], 1)),
         r"slots\[1\] gives params\[1\] rows of 5 elements; a row length \(column 2 of slots\) "
         r"is for 8-bit moments",
     ),

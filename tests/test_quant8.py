@@ -8,6 +8,8 @@ tests/test_cuda_sim.py, the real ones in tests/test_gpu_ops.py."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -268,18 +270,12 @@ BLOCK = ops.BLOCK_8BIT
 STEP_SIZES = [97, 0, 1025, 256, 4096, 16385, 65537]  # a CPU tile edge (16384) inside
 
 
-def _bucket_8bit(sizes, amsgrad, param_dtype=torch.float32, seed=0, master=False, rows=None):
+def _bucket_8bit(sizes, amsgrad, param_dtype=torch.float32, seed=0, master=False):
     """Parameters, FP32 gradients, and 8-bit moment buffers of a bucket whose slices start
-    blocks; the moments are quantized from random FP32 values. ``rows``: each parameter's
-    row length (Note [8-bit row blocks] in csrc/quant8.h); a parameter of more than one row
-    whose rows are not whole blocks gets a slot laid out in rows (slots' third column)."""
+    blocks; the moments are quantized from random FP32 values."""
     gen = torch.Generator().manual_seed(seed)
-    laid = [0] * len(sizes) if rows is None else [
-        r if 0 < r < n and r % BLOCK else 0 for n, r in zip(sizes, rows, strict=True)]  # fmt: skip
-    extents = [n if r == 0 else n // r * (-(-r // BLOCK) * BLOCK)
-               for n, r in zip(sizes, laid, strict=True)]  # fmt: skip
     offsets, total = [], 0
-    for n in extents:
+    for n in sizes:
         offsets.append(total)
         total += -(-n // BLOCK) * BLOCK
     params = [(torch.randn(n, generator=gen)).to(param_dtype) for n in sizes]
@@ -288,19 +284,16 @@ def _bucket_8bit(sizes, amsgrad, param_dtype=torch.float32, seed=0, master=False
     m = torch.randn(total, generator=gen) * 1e-2
     v = torch.rand(total, generator=gen) ** 4 * 1e-4
     vm = v * (1 + torch.rand(total, generator=gen))
-    for off, n, r in zip(offsets, extents, laid, strict=True):  # padding holds nothing
+    for off, n in zip(offsets, sizes, strict=True):  # padding holds nothing
         end = -(-(off + n) // BLOCK) * BLOCK
         for t in (m, v, vm):
             t[off + n : end] = 0
-            if r:  # each row's padding to whole blocks
-                t[off : off + n].view(-1, -(-r // BLOCK) * BLOCK)[:, r:] = 0
-    slots = [[off, i, *([] if rows is None else [laid[i]])] for i, off in enumerate(offsets)]
     state = {
         "exp_avg": ops.pack_8bit(m, "signed"),
         "exp_avg_sq": ops.pack_8bit(v, "unsigned"),
         "max_exp_avg_sq": ops.pack_8bit(vm, "unsigned") if amsgrad else None,
         "steps": torch.arange(len(sizes), dtype=torch.float32) + 3.0,
-        "slots": torch.tensor(slots, dtype=torch.int64).reshape(len(sizes), -1),
+        "slots": torch.tensor([[off, i] for i, off in enumerate(offsets)]).reshape(-1, 2),
         "master": None,
     }
     if master:
@@ -310,7 +303,71 @@ def _bucket_8bit(sizes, amsgrad, param_dtype=torch.float32, seed=0, master=False
     return params, grads, state, offsets
 
 
+MOMENT_CODES = (("exp_avg", "signed"), ("exp_avg_sq", "unsigned"), ("max_exp_avg_sq", "unsigned"))
+
+
+def _row_bucket(shapes, amsgrad, param_dtype=torch.float32, seed=0, master=False):
+    """A bucket as the optimizer lays out tensors of these shapes (Note [8-bit row blocks]
+    in csrc/quant8.h): codes one per element from offsets at multiples of 256, the scales
+    apart, a run per moment, where a tensor of rows that are not whole blocks has its
+    rows' scales after the flat tensors' (slots' columns 2 and 3). Returns (params,
+    grads, state, layout), layout[i] = (offset, first scale, row length or 0)."""
+    gen = torch.Generator().manual_seed(seed)
+    layout, total = [], 0
+    for shape in shapes:
+        numel = math.prod(shape)
+        layout.append([total, 0, shape[1] if shape[0] > 1 and shape[1] % BLOCK else 0])
+        total += -(-numel // BLOCK) * BLOCK
+    run = total // BLOCK
+    for entry, shape in zip(layout, shapes, strict=True):
+        off, _, row = entry
+        entry[1] = run if row else off // BLOCK
+        run += math.prod(ops.scales_shape_8bit(shape)) if row else 0
+    params = [torch.randn(math.prod(s), generator=gen).to(param_dtype) for s in shapes]
+    grads = [(torch.randn(math.prod(s), generator=gen) * 1e-2).to(
+        torch.float32 if param_dtype == torch.float32 else param_dtype) for s in shapes]  # fmt: skip
+    keys = MOMENT_CODES[: 3 if amsgrad else 2]
+    state = {k: torch.zeros(total, dtype=torch.uint8) for k, _ in keys}
+    state["max_exp_avg_sq"] = state.get("max_exp_avg_sq")
+    state["scales"] = torch.zeros(len(keys) * run)
+    for q, (key, code) in enumerate(keys):
+        for (off, first, _), shape in zip(layout, shapes, strict=True):
+            x = torch.randn(shape, generator=gen) * 1e-2
+            if code == "unsigned":
+                x = x.square() * (2 if key == "max_exp_avg_sq" else 1)
+            codes, scales = ops.quantize_8bit(x, code)
+            state[key][off : off + codes.numel()] = codes.flatten()
+            state["scales"][q * run + first : q * run + first + scales.numel()] = scales.flatten()
+    state["steps"] = torch.arange(len(shapes), dtype=torch.float32) + 3.0
+    state["slots"] = torch.tensor([[off, i, row, first] for i, (off, first, row) in
+                                   enumerate(layout)], dtype=torch.int64).reshape(-1, 4)  # fmt: skip
+    state["master"] = None
+    if master:
+        state["master"] = torch.randn(total, generator=gen)
+        for p, (off, _, _) in zip(params, layout, strict=True):
+            state["master"][off : off + p.numel()] = p.float()
+    return params, grads, state, layout
+
+
+def _row_moments(state, shapes, layout):
+    """Each tensor's decoded moments (FP32, shaped), by key."""
+    run = state["scales"].numel() // (3 if state["max_exp_avg_sq"] is not None else 2)
+    out = {}
+    for q, (key, code) in enumerate(MOMENT_CODES):
+        if state[key] is None:
+            continue
+        out[key] = []
+        for (off, first, _), shape in zip(layout, shapes, strict=True):
+            n, k = math.prod(shape), math.prod(ops.scales_shape_8bit(shape))
+            codes = state[key][off : off + n].view(shape)
+            scales = state["scales"][q * run + first : q * run + first + k]
+            out[key].append(ops.dequantize_8bit(codes, scales.view(ops.scales_shape_8bit(shape)),
+                                                code))  # fmt: skip
+    return out
+
+
 def _step(params, grads, state, **kw):
+    kw.setdefault("scales", state.get("scales"))
     ops.adamw_scaled_(params, grads, state["exp_avg"], state["exp_avg_sq"],
                       state["max_exp_avg_sq"], state["steps"], state["slots"],
                       lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=1e-2,
@@ -384,42 +441,43 @@ ROW_SHAPES = [(3, 97), (1, 1025), (4, 300), (2, 256), (17, 33), (0, 40), (9, 500
 
 @pytest.mark.parametrize("amsgrad", [False, True], ids=["adamw", "amsgrad"])
 @pytest.mark.parametrize("param_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_8bit_step_in_rows_is_the_fp32_step_on_its_rows(amsgrad, param_dtype):
-    """Slots laid out in rows (Note [8-bit row blocks] in csrc/quant8.h: rows of 97, 300,
-    33, 500 and 130 elements on whole blocks; one row, rows of whole blocks and no rows
-    flat): one fused pass equals the FP32 kernel on each row as a tensor of its own, from
-    the row's decoded blocks, then each row coded as its own blocks; parameters, codes and
-    scales bit for bit over three steps (a tile of 16384 state elements ends mid-row)."""
-    sizes, rows = [r * n for r, n in ROW_SHAPES], [n for _, n in ROW_SHAPES]
-    params, grads, state, offsets = _bucket_8bit(sizes, amsgrad, param_dtype, seed=9, rows=rows)
-    laid = state["slots"][:, 2].tolist()
-    # The reference bucket: every row a tensor of its own at its place in the slot, each
-    # with the step counter of its parameter.
-    slices, row_params, row_grads, step_of = [], [], [], []
-    for i, ((n_rows, r), off) in enumerate(zip(ROW_SHAPES, offsets, strict=True)):
-        stride = -(-r // BLOCK) * BLOCK if laid[i] else r
-        for j in range(n_rows):
-            slices.append((off + j * stride, r))
-            step_of.append(i)
+def test_8bit_step_in_rows_is_the_fp32_step_on_decoded_rows(amsgrad, param_dtype):
+    """Tensors of rows that are not whole blocks (Note [8-bit row blocks] in
+    csrc/quant8.h: rows of 97, 300, 33, 500 and 130 elements, their codes one per element,
+    their scales apart), beside one row, rows of whole blocks and no rows: one fused pass
+    equals the FP32 kernel on the decoded moments, then each tensor coded by its rows
+    (ops.quantize_8bit); parameters, codes and scales bit for bit over three steps (a CPU
+    tile of 16,384 walk indices ends mid-tensor)."""
+    params, grads, state, layout = _row_bucket(ROW_SHAPES, amsgrad, param_dtype, seed=9)
+    assert sum(row != 0 for _, _, row in layout) == 5
     ref_params = [p.clone() for p in params]
     for step in range(3):
-        ref = _decoded(state)
-        ref["steps"] = state["steps"][step_of].clone()
-        row_params = [p.view(-1, r)[j] for p, (n_rows, r) in zip(ref_params, ROW_SHAPES, strict=True)
-                      for j in range(n_rows)]  # fmt: skip
-        row_grads = [g.view(-1, r)[j] for g, (n_rows, r) in zip(grads, ROW_SHAPES, strict=True)
-                     for j in range(n_rows)]  # fmt: skip
-        ref["slots"] = torch.tensor([[off, k] for k, (off, _) in enumerate(slices)],
-                                    dtype=torch.int64).reshape(-1, 2)  # fmt: skip
-        _step(row_params, row_grads, ref)
-        want = _requantized(ref, [o for o, _ in slices], [n for _, n in slices], state)
+        moments = _row_moments(state, ROW_SHAPES, layout)
+        ref = {k: torch.cat([t.flatten() for t in v]) for k, v in moments.items()}
+        ref = {"exp_avg": ref["exp_avg"], "exp_avg_sq": ref["exp_avg_sq"],
+               "max_exp_avg_sq": ref.get("max_exp_avg_sq"), "steps": state["steps"].clone(),
+               "master": None}  # fmt: skip
+        starts = torch.tensor([0] + [p.numel() for p in params]).cumsum(0)[:-1]
+        ref["slots"] = torch.stack([starts, torch.arange(len(params))], 1).contiguous()
+        _step(ref_params, grads, ref)
         _step(params, grads, state)
         for p, q in zip(params, ref_params, strict=True):
             assert torch.equal(p.view(torch.int16 if p.element_size() == 2 else torch.int32),
                                q.view(torch.int16 if q.element_size() == 2 else torch.int32))  # fmt: skip
-        for key, packed in want.items():
-            assert torch.equal(state[key], packed), f"{key} at step {step}"
-        assert state["steps"].tolist() == [4.0 + step + i for i in range(len(sizes))]
+        got = _row_moments(state, ROW_SHAPES, layout)
+        run = state["scales"].numel() // (3 if amsgrad else 2)
+        for q, (key, code) in enumerate(MOMENT_CODES[: 3 if amsgrad else 2]):
+            for i, ((off, first, _), shape) in enumerate(zip(layout, ROW_SHAPES, strict=True)):
+                n = math.prod(shape)
+                start = int(starts[i])
+                codes, scales = ops.quantize_8bit(ref[key][start : start + n].view(shape), code)
+                assert torch.equal(state[key][off : off + n], codes.flatten()), (key, shape, step)
+                mine = state["scales"][q * run + first : q * run + first + scales.numel()]
+                assert torch.equal(mine, scales.flatten()), (key, shape, step)
+            assert len(got[key]) == len(ROW_SHAPES)
+        assert state["steps"].tolist() == [4.0 + step + i for i in range(len(ROW_SHAPES))]
+        for p, q in zip(params, ref_params, strict=True):  # the next step starts equal
+            q.copy_(p)
 
 
 @pytest.mark.parametrize("amsgrad", [False, True], ids=["adamw", "amsgrad"])
@@ -463,6 +521,35 @@ def test_8bit_step_skipped_writes_nothing():
     for k, v in before.items():
         assert torch.equal(state[k], v), k
     assert all(torch.equal(p, q) for p, q in zip(params, p_before, strict=True))
+
+
+def test_8bit_row_slots_are_checked():
+    """Slots of tensors whose rows are not whole blocks: scales outside each moment's run,
+    or shared with another tensor, a row length that does not divide the tensor, rows
+    with packed moments: refused, naming the slot, before anything is written."""
+    shapes = [(4, 300), (3, 256), (2, 100)]
+    cases = {
+        "past the run": (lambda st: st["slots"].__setitem__((0, 3), 10**6),
+                         r"slots\[0\] puts the 8 scale\(s\) of params\[0\] at 1000000, outside"),
+        "shared": (lambda st: st["slots"].__setitem__((2, 3), int(st["slots"][0, 3]) + 1),
+                   "two parameters share 8-bit scales"),
+        "row not dividing": (lambda st: st["slots"].__setitem__((0, 2), 7),
+                             r"slots\[0\] gives params\[0\] rows of 7 elements"),
+        "packed": (lambda st: st.__setitem__("scales", None),
+                   r"a row length .* is for 8-bit moments \(uint8 exp_avg\) with separate scales"),
+    }  # fmt: skip
+    for name, (mutate, match) in cases.items():
+        params, grads, state, _ = _row_bucket(shapes, False, seed=2)
+        if name == "packed":  # packed buffers of the same codes: scales after codes
+            for key in ("exp_avg", "exp_avg_sq"):
+                state[key] = torch.cat([state[key], torch.zeros(4 * state[key].numel() // BLOCK,
+                                                                dtype=torch.uint8)])  # fmt: skip
+        mutate(state)
+        before = [p.clone() for p in params] + [state["exp_avg"].clone()]
+        with pytest.raises(RuntimeError, match=match):
+            _step(params, grads, state)
+        after = [p.clone() for p in params] + [state["exp_avg"].clone()]
+        assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True)), name
 
 
 def test_8bit_buffers_are_checked():

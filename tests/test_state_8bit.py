@@ -152,7 +152,7 @@ def test_8bit_steps_are_fp32_steps_on_decoded_moments(options):
     assert opt.state[model.b.weight][scales_key("exp_avg")].shape == (20, 2)
     assert opt.state[model.a.bias]["exp_avg"].dtype == torch.float32  # below min_8bit_size
     t = opt.state[model.t][codes_key("exp_avg_sq")]
-    assert t.shape == model.t.shape and t.stride() == (256, 1)  # rows of 70 on whole blocks
+    assert t.shape == model.t.shape and t.is_contiguous()  # row-major, a code per element
 
 
 FLT_MAX = torch.finfo(torch.float32).max
@@ -571,3 +571,63 @@ def test_a_parameter_with_gaps_steps_as_its_contiguous_copy():
     assert opts[0].state[gapped].keys() == opts[1].state[plain].keys()
     for k, v in opts[0].state[gapped].items():
         assert same_bits(v, opts[1].state[plain][k]), k
+
+
+def _earlier_format(values: torch.Tensor, key: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """What an earlier release's entry held for FP32 moment ``values`` (dense): codes laid
+    out as the values, and 1-D scales of blocks of 256 codes in memory order."""
+    code = "signed" if key == "exp_avg" else "unsigned"
+    flat = values.as_strided((values.numel(),), (1,)).contiguous()  # memory order
+    codes, scales = ops.quantize_8bit(flat, code)
+    return codes.as_strided(values.shape, values.stride()), scales
+
+
+def test_an_earlier_releases_checkpoint_loads():
+    """Entries of the earlier format (scales of blocks of 256 in the codes' memory order,
+    Note [8-bit state entries] in ruda_torch/_state8bit.py): where those blocks are the
+    rows' (rows of whole blocks, one row) their codes and scales load as they are, bit for
+    bit; elsewhere (rows of 33 and 300, a transposed parameter) they are decoded as the
+    earlier release did and coded again by the rows; then the steps go on as from those
+    moments."""
+    model = _Net()
+    whole = nn.Linear(256, 20)  # rows of 256: the earlier blocks are the rows'
+    params = [*model.parameters(), whole.weight]
+    opt = ruda_torch.AdamW(params, lr=1e-2, fused_step=True, state_precision="8bit",
+                           min_8bit_size=4096, amsgrad=True)  # fmt: skip
+    gen = torch.Generator().manual_seed(3)
+    earlier, values = {}, {}
+    for i, p in enumerate(params):
+        entry = {"step": torch.tensor(5.0)}
+        for key in MOMENTS:
+            x = (torch.randn(p.shape, generator=gen) * 1e-3).as_strided(p.shape, p.stride())
+            x = x.abs() if key != "exp_avg" else x
+            if p.numel() < 4096:
+                entry[key] = x
+                continue
+            codes, scales = _earlier_format(x, key)
+            entry[codes_key(key)], entry[scales_key(key)] = codes, scales
+            code = "signed" if key == "exp_avg" else "unsigned"
+            flat = ops.dequantize_8bit(codes.as_strided((codes.numel(),), (1,)), scales, code)
+            values[i, key] = flat.as_strided(p.shape, p.stride())  # what it decoded to
+        earlier[i] = entry
+    sd = opt.state_dict()
+    opt.load_state_dict({"state": earlier, "param_groups": sd["param_groups"]})
+    for i, p in enumerate(params):
+        if p.numel() < 4096:
+            continue
+        st = opt.state[p]
+        for key in MOMENTS:
+            want_codes, want_scales = _quantized(values[i, key], key)
+            assert same_bits(st[codes_key(key)], want_codes), (i, key)
+            assert same_bits(st[scales_key(key)], want_scales), (i, key)
+            if p is whole.weight:  # loaded as it was
+                assert same_bits(st[codes_key(key)], earlier[i][codes_key(key)])
+                assert same_bits(st[scales_key(key)].flatten(), earlier[i][scales_key(key)])
+    # And it trains on: the steps are the FP32 steps on these moments.
+    for s in range(2):
+        opt.zero_grad()
+        _backward(model, s)
+        whole.weight.grad = torch.randn(whole.weight.shape, generator=gen)
+        opt.step()
+    assert all(torch.isfinite(p).all() for p in params)
+    assert opt.state[whole.weight]["step"].item() == 7

@@ -194,9 +194,11 @@ def scenario_dcp_phase(rank: int, workdir: str, load: str | None, save: str, fir
 
 
 def test_dcp_checkpoint_reshards_4_2_1_4(tmp_path):
-    """Saved on 4 FSDP2 ranks, loaded on 2, saved, loaded on 1, saved, loaded on 4: every
-    load holds the saved bits and every step after it the single process's."""
-    phases = [(4, None, "a", 0, 2), (2, "a", "b", 2, 1), (1, "b", "c", 3, 1), (4, "c", "d", 4, 1)]
+    """Saved on 4 FSDP2 ranks, loaded on 2, saved, loaded on 1, saved, loaded on 4 (and the
+    2 ranks' checkpoint loaded on 4 too): every load holds the saved bits and every step
+    after it the single process's."""
+    phases = [(4, None, "a", 0, 2), (2, "a", "b", 2, 1), (1, "b", "c", 3, 1), (4, "c", "d", 4, 1),
+              (4, "b", "e", 3, 1)]  # fmt: skip
     for world, load, save, first, steps in phases:
         where = tmp_path / f"run-{save}"
         where.mkdir()

@@ -39,9 +39,10 @@ __global__ void __launch_bounds__(kThreads)
 }
 
 // A unit (tile) of a launch: its tensor's pointers, its first element of the tensor and
-// that element's state index, its number of elements. A slice laid out in rows (8-bit
-// moments, Note [8-bit row blocks] in csrc/quant8.h): `first` and `count` count state
-// indices, and `row` is the rows' length (0 otherwise; below 2^31, the binding checks).
+// that element's state index, its number of elements. A tensor of 8-bit moments whose rows
+// are not whole blocks (Note [8-bit row blocks] in csrc/quant8.h): `first` and `count`
+// count indices of its walk, and `row` is the rows' length (0 otherwise; below 2^31, the
+// binding checks).
 struct UnitTile {
   void* param;
   const void* grad;
@@ -444,58 +445,69 @@ __device__ inline uint8_t* codes8(const AdamWLaunch& L, int q, int64_t k) {
   return static_cast<uint8_t*>(base) + k;
 }
 
-// The block at state index kb of a tile: its pointers, read from the tile in shared memory
-// for each block (volatile: not held in registers through the block loop, Note [8-bit CUDA
-// registers]). kRows: the tile may be a slice laid out in rows (Note [8-bit row blocks] in
-// csrc/quant8.h), whose blocks the edge kernel steps; the direct kernel's tiles never are.
+// The block at index kb of a tile: its pointers, read from the tile in shared memory for
+// each block (volatile: not held in registers through the block loop, Note [8-bit CUDA
+// registers]). kRows: the tile may be of a tensor whose rows are not whole blocks (Note
+// [8-bit row blocks] in csrc/quant8.h), whose blocks the edge kernel steps (the tensor's
+// scale offset read from the table entry of the warp's walk `w`); the direct kernel's
+// tiles never are.
 template <typename P, typename G>
 struct Tile8 {
   P* p;
   const G* g;
   float* master;  // null without master weights
-  int64_t state;  // the block's first state index (its codes; its scale at state / kBlock8)
-  int64_t elem;   // the state index of its first element (masters, remainders, random bits)
+  int64_t state;  // the state index of its first element (codes, masters, random bits)
+  int64_t scale;  // its scale in each moment's run
   int32_t n;      // its elements (kRows only; the caller's count otherwise)
 };
 
 template <typename P, typename G, bool kRows = false>
 __device__ inline Tile8<P, G> tile8(const AdamWLaunch& L, const UnitTile& tile, bool has_master,
-                                    int32_t kb) {
+                                    int32_t kb, const TileWalk<float>* w = nullptr) {
   const volatile UnitTile& vt = tile;
   int64_t first = vt.first + kb;
-  const int64_t state = vt.state0 + kb;
+  int64_t state = vt.state0 + kb;
+  int64_t scale = state / kBlock8;
   int32_t n = static_cast<int32_t>(kBlock8);
   if constexpr (kRows) {
     TensorEntry e{};
-    e.numel = vt.count - kb;  // what block8_at reads of a flat slice: the tile's end
+    e.numel = vt.count - kb;  // what block8_at reads of a flat tensor: the tile's end
     e.row = vt.row;
     const Block8 blk = block8_at(e, e.row == 0 ? 0 : first, e.numel);
     n = static_cast<int32_t>(blk.n);
-    if (e.row != 0) first = blk.first;
+    if (e.row != 0) {
+      const int32_t i = static_cast<const volatile TileWalk<float>*>(w)->i;
+      e.scale_offset = L.table[i].scale_offset;  // static-check: 32-bit (a table entry)
+      scale = scale_index8(e, first);
+      state = vt.state0 - vt.first + blk.first;
+      first = blk.first;
+    }
   }
-  const int64_t elem = vt.state0 - vt.first + first;
   return {static_cast<P*>(const_cast<void*>(vt.param)) + first,
           static_cast<const G*>(const_cast<const void*>(vt.grad)) + first,
-          has_master ? L.master + elem : nullptr, state, elem, n};
+          has_master ? L.master + state : nullptr,
+          state,
+          scale,
+          n};
 }
 
 // One block stepped by a warp: `p`, `g` and `master` (null without) at the block's first
-// element, `sk` its first state index (its codes), `se` its first element's (remainders,
-// random bits; sk but in a slice laid out in rows), `n` its elements (kBlock8 unless kEdge). kEdge: the
+// element, `sk` its first element's state index (codes, remainders, random bits), `sb` its
+// scale (kEdge; sk / kBlock8 otherwise), `n` its elements (kBlock8 unless kEdge). kEdge: the
 // block's n elements read and written one by one (a tensor's shorter last block, a view
 // that is not 16-byte aligned: Note [8-bit CUDA registers]).
 template <typename P, typename G, bool AMSGRAD, bool kEdge, bool REM>
 __device__ inline void step_block8(const AdamWLaunch& L, const StepCoefs<float>& c, P* p,
-                                   const G* g, float* master, int64_t sk, int64_t se, int n,
-                                   Park8& park,
-                                   const TileWalk<float>& w, const UnitTile& tile, int32_t kb) {
+                                   const G* g, float* master, int64_t sk, int64_t sb, int n,
+                                   Park8& park, const TileWalk<float>& w, const UnitTile& tile,
+                                   int32_t kb) {
   constexpr int kMoments = AMSGRAD ? 3 : 2;
   const int lane = static_cast<int>(threadIdx.x % 32), tid = static_cast<int>(threadIdx.x);
   // Launch-uniform (the launch's own pointer, not the block's): one branch for all lanes.
   const bool with_master = !REM && kIs16Bit<P> && L.master != nullptr;
   // Remainder masters (REM, Note [Remainder master]): BF16 parameters, 16-bit like them.
-  P* rem = REM ? reinterpret_cast<P*>(L.remainder + se) : nullptr;
-  const int64_t b = sk / kBlock8;
+  P* rem = REM ? reinterpret_cast<P*>(L.remainder + sk) : nullptr;
+  const int64_t b = kEdge ? sb : sk / kBlock8;
   // Read before lane 0 writes the new scales: each value feeds the shuffles below.
   float sc[3];
   sc[0] = L.exp_avg_scales[b];                          // static-check: 32-bit (a block's scale)
@@ -504,8 +516,8 @@ __device__ inline void step_block8(const AdamWLaunch& L, const StepCoefs<float>&
   const int k = 8 * lane;                               // the lane's first element of the block
   // The parameters' random bits (stochastic rounding): a block of kBlock8 from a multiple of
   // kBlock8 shares its indices' high 32 bits.
-  const uint32_t high = rounding_high(static_cast<const volatile TileWalk<float>&>(w).key, se);
-  const uint32_t low = static_cast<uint32_t>(se);
+  const uint32_t high = rounding_high(static_cast<const volatile TileWalk<float>&>(w).key, sk);
+  const uint32_t low = static_cast<uint32_t>(sk);
   uint2 cw[3];
   if constexpr (kEdge) {  // the block's codes byte by byte, zeros past its end
     for (int q = 0; q < kMoments; ++q) {
@@ -633,8 +645,8 @@ __device__ inline void step_block8(const AdamWLaunch& L, const StepCoefs<float>&
   }
   // The block's state index read again (Note [8-bit CUDA registers]): its codes' and
   // scales' addresses are not held through the arithmetic.
-  const int64_t sk_out = tile8<P, G>(L, tile, false, kb).state;
-  const int64_t b_out = sk_out / kBlock8;
+  const Tile8<P, G> out = tile8<P, G, kEdge>(L, tile, false, kb, &w);
+  const int64_t sk_out = out.state, b_out = kEdge ? out.scale : sk_out / kBlock8;
   if (lane == 0) {
     L.exp_avg_scales[b_out] = sc[0];
     L.exp_avg_sq_scales[b_out] = sc[1];
@@ -689,8 +701,8 @@ __device__ inline void step_tiles8(const AdamWLaunch& L) {
     bool direct;
     {
       const Tile8<P, G> b = tile8<P, G>(L, tile, has_master, 0);
-      direct = tile.row == 0 && is_aligned<16 / sizeof(P)>(b.p) && is_aligned<16 / sizeof(G)>(b.g) &&
-               (!has_master || is_aligned<4>(b.master)) &&
+      direct = tile.row == 0 && is_aligned<16 / sizeof(P)>(b.p) &&
+               is_aligned<16 / sizeof(G)>(b.g) && (!has_master || is_aligned<4>(b.master)) &&
                (!REM || is_aligned<8>(L.remainder + b.state));
       for (int q = 0; q < (AMSGRAD ? 3 : 2); ++q) {
         direct = direct && is_aligned<8>(codes8(L, q, b.state));
@@ -702,15 +714,15 @@ __device__ inline void step_tiles8(const AdamWLaunch& L) {
       // The tile's count read for each block (Note [8-bit CUDA registers]).
       const volatile UnitTile& vt = tile;
       for (int32_t kb = whole + warp * kBlock; kb < vt.count; kb += kWarps8 * kBlock) {
-        const Tile8<P, G> b = tile8<P, G, true>(L, tile, has_master, kb);
-        step_block8<P, G, AMSGRAD, true, REM>(L, c, b.p, b.g, b.master, b.state, b.elem, b.n, park,
+        const Tile8<P, G> b = tile8<P, G, true>(L, tile, has_master, kb, &w);
+        step_block8<P, G, AMSGRAD, true, REM>(L, c, b.p, b.g, b.master, b.state, b.scale, b.n, park,
                                               w, tile, kb);
       }
     } else {
       for (int32_t kb = warp * kBlock; kb < whole; kb += kWarps8 * kBlock) {
         const Tile8<P, G> b = tile8<P, G>(L, tile, has_master, kb);
-        step_block8<P, G, AMSGRAD, false, REM>(L, c, b.p, b.g, b.master, b.state, b.state, kBlock,
-                                               park, w, tile, kb);
+        step_block8<P, G, AMSGRAD, false, REM>(L, c, b.p, b.g, b.master, b.state, 0, kBlock, park,
+                                               w, tile, kb);
       }
     }
   }

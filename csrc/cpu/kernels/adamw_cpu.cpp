@@ -447,17 +447,17 @@ void update_span(const AdamWLaunch& L, const TensorEntry& e, const StepCoefs<Mat
 // with non-finite moments (a negative scale before the step, or an infinity or NaN after
 // it) is coded by encode_block, and a range's last, partial block takes update_block8.
 
-// One block the per-pass way: its codes from state index kc of the slice, its elements
+// One block the per-pass way: the block at index kc of the tensor's walk, its elements
 // [k0, k0 + n) (n <= kBlock8; Note [8-bit row blocks] in csrc/quant8.h).
 template <typename P, typename G, bool AMSGRAD>
 void update_block8(const AdamWLaunch& L, const TensorEntry& e, const StepCoefs<float>& c, int64_t t,
                    int64_t kc, int64_t k0, int64_t n) {
   const int64_t off = e.state_offset;
-  uint8_t* mc = static_cast<uint8_t*>(L.exp_avg) + off + kc;
-  uint8_t* vc = static_cast<uint8_t*>(L.exp_avg_sq) + off + kc;
-  uint8_t* vmc = AMSGRAD ? static_cast<uint8_t*>(L.max_exp_avg_sq) + off + kc : nullptr;
+  uint8_t* mc = static_cast<uint8_t*>(L.exp_avg) + off + k0;
+  uint8_t* vc = static_cast<uint8_t*>(L.exp_avg_sq) + off + k0;
+  uint8_t* vmc = AMSGRAD ? static_cast<uint8_t*>(L.max_exp_avg_sq) + off + k0 : nullptr;
   alignas(64) float mf[kBlock8], vf[kBlock8], vmf[kBlock8];
-  const int64_t b = (off + kc) / kBlock8;
+  const int64_t b = scale_index8(e, kc);
   decode_block_cpu<Code8::kSigned>(mc, L.exp_avg_scales[b], n, mf);
   decode_block_cpu<Code8::kUnsigned>(vc, L.exp_avg_sq_scales[b], n, vf);
   if (AMSGRAD) decode_block_cpu<Code8::kUnsigned>(vmc, L.max_exp_avg_sq_scales[b], n, vmf);
@@ -554,8 +554,8 @@ void scale_block(const float* x, uint32_t largest, uint8_t* codes, float* scale,
   pending.codes[q] = codes;
 }
 
-// State indices [begin, end) of one tensor's slice (a tile of whole blocks; Note [8-bit
-// row blocks] in csrc/quant8.h maps them to elements).
+// Indices [begin, end) of one tensor's walk (a tile of whole blocks; Note [8-bit row
+// blocks] in csrc/quant8.h maps them to elements and scales).
 template <typename P, typename G, bool AMSGRAD>
 void update_range8(const AdamWLaunch& L, const TensorEntry& e, const StepCoefs<float>& c, int64_t t,
                    int64_t begin, int64_t end) {
@@ -570,7 +570,7 @@ void update_range8(const AdamWLaunch& L, const TensorEntry& e, const StepCoefs<f
   int cur = 0;
   for (int64_t kc = begin; kc < end; kc += kBlock8) {
     const Block8 blk = block8_at(e, kc, end);
-    const int64_t kb = blk.first, b = (off + kc) / kBlock8;
+    const int64_t kb = blk.first, b = scale_index8(e, kc);
     // Whole blocks the one-pass way where the update is vectorized (Note [One pass per
     // 8-bit block]); the portable x86-64 build steps scalars, the per-pass way, as do a
     // shorter block and a block that met inf or NaN (rare).
@@ -583,10 +583,10 @@ void update_range8(const AdamWLaunch& L, const TensorEntry& e, const StepCoefs<f
     }
     cur ^= 1;
     VI largest[3] = {VI(0), VI(0), VI(0)};
-    const Code8Moment<Code8::kSigned> m{mc + kc, L.exp_avg_scales[b], mf[cur], kb, &largest[0]};
-    const Code8Moment<Code8::kUnsigned> v{vc + kc, L.exp_avg_sq_scales[b], vf[cur], kb,
+    const Code8Moment<Code8::kSigned> m{mc + kb, L.exp_avg_scales[b], mf[cur], kb, &largest[0]};
+    const Code8Moment<Code8::kUnsigned> v{vc + kb, L.exp_avg_sq_scales[b], vf[cur], kb,
                                           &largest[1]};
-    const Code8Moment<Code8::kUnsigned> vm{AMSGRAD ? vmc + kc : nullptr,
+    const Code8Moment<Code8::kUnsigned> vm{AMSGRAD ? vmc + kb : nullptr,
                                            AMSGRAD ? L.max_exp_avg_sq_scales[b] : 0.0f, vmf[cur],
                                            kb, &largest[2]};
     if constexpr (kPipelineCodes) {
@@ -598,12 +598,12 @@ void update_range8(const AdamWLaunch& L, const TensorEntry& e, const StepCoefs<f
     } else {
       update_span<P, G, AMSGRAD>(L, e, c, t, kb, kb + kBlock8, m, v, vm);
     }
-    scale_block<Code8::kSigned>(mf[cur], largest_lane(largest[0]), mc + kc, L.exp_avg_scales + b,
+    scale_block<Code8::kSigned>(mf[cur], largest_lane(largest[0]), mc + kb, L.exp_avg_scales + b,
                                 pending, 0);
-    scale_block<Code8::kUnsigned>(vf[cur], largest_lane(largest[1]), vc + kc,
+    scale_block<Code8::kUnsigned>(vf[cur], largest_lane(largest[1]), vc + kb,
                                   L.exp_avg_sq_scales + b, pending, 1);
     if (AMSGRAD) {
-      scale_block<Code8::kUnsigned>(vmf[cur], largest_lane(largest[2]), vmc + kc,
+      scale_block<Code8::kUnsigned>(vmf[cur], largest_lane(largest[2]), vmc + kb,
                                     L.max_exp_avg_sq_scales + b, pending, 2);
     }
     if constexpr (!kPipelineCodes) pending.code_all();

@@ -1,0 +1,221 @@
+"""State that comes from a checkpoint of another layout: the distributed checkpoint (DCP)
+template matched to what a checkpoint holds (``ruda_torch.match_checkpoint``), and state
+entries laid out unlike their parameter taken into its layout at adoption."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+
+from . import ops
+from ._common import STATE_KEYS, codes_key, local, scales_key
+from ._state8bit import decoded_pair
+
+# Note [Checkpoint templates]
+# DCP loads a checkpoint into the tensors of the state dict it is given, read by name and
+# shape, so that template must name and shape every moment as the checkpoint holds it.
+# Ours can differ from a checkpoint's in two ways, both of which load_state_dict converts
+# once the tensors are read (Note [Entries in another layout]):
+# * the form of a moment: values under torch's name (FP32, BF16) or an 8-bit pair
+#   (`<moment>_codes`, `<moment>_scales`): another state_precision or min_8bit_size, a
+#   checkpoint of torch's AdamW, or a 1-D parameter that is a DTensor on one side (FP32
+#   moments: Note [8-bit blocks on every mesh] in ruda_torch/_state8bit.py) and a plain
+#   tensor on the other (8-bit). A pair read for a DTensor template is read whole on every
+#   rank (Replicate placements; its blocks need not fall on this mesh's shards) and values
+#   with the placements of the template's codes;
+# * the scales of the first 8-bit format (up to commit bc46cce: one row of scales per
+#   shard, blocks in each rank's memory order), which only the mesh they were saved on
+#   reads (the same shards): they are read in that layout, with the codes sharded like the
+#   parameter, and converted by the rows. A first-format checkpoint of another mesh is
+#   refused, naming the entry: load it on the mesh it was saved on and save it again.
+# Everything else is left as it is, and DCP reports what still does not match.
+
+
+def match_checkpoint(state_dict: Mapping, checkpoint_id=None, *, storage_reader=None) -> dict:
+    """The state dict to hand ``torch.distributed.checkpoint.load`` for a checkpoint whose
+    optimizer state may hold moments in another form than this optimizer's (Note
+    [Checkpoint templates] in ruda_torch/_checkpoint.py): ``state_dict`` (as for
+    ``dcp.load``: ``{"optim": get_optimizer_state_dict(model, optimizer), ...}``) with each
+    such entry's tensors replaced by tensors of the checkpoint's names and shapes; the
+    input is not modified. Read the checkpoint with ``dcp.load`` into the result, then
+    ``set_optimizer_state_dict`` converts. ``checkpoint_id``: the checkpoint's folder
+    (read with ``FileSystemReader``), or ``storage_reader`` to read its metadata."""
+    if (checkpoint_id is None) == (storage_reader is None):
+        raise ValueError("match_checkpoint: give checkpoint_id or storage_reader (one of them)")
+    if not isinstance(state_dict, Mapping):
+        raise ValueError(
+            "match_checkpoint takes the state dict handed to dcp.load (a dict), got "
+            f"{type(state_dict).__name__}"
+        )
+    if storage_reader is None:
+        from torch.distributed.checkpoint import FileSystemReader
+
+        storage_reader = FileSystemReader(checkpoint_id)
+    saved = storage_reader.read_metadata().state_dict_metadata
+    return _matched(state_dict, "", saved)
+
+
+def _matched(node: Mapping, prefix: str, saved: dict) -> dict:
+    out = {}
+    for k, v in node.items():
+        out[k] = _matched(v, f"{prefix}{k}.", saved) if isinstance(v, Mapping) else v
+    for key in STATE_KEYS:
+        _match_moment(out, prefix, key, saved)
+    return out
+
+
+def _form(keys, name: str, key: str) -> str | None:
+    if name + key in keys:
+        return "values"
+    if name + codes_key(key) in keys and name + scales_key(key) in keys:
+        return "8bit"
+    return None
+
+
+def _match_moment(entry: dict, prefix: str, key: str, saved: dict) -> None:
+    """Entry ``entry`` (at DCP key ``prefix``) := moment ``key`` in the checkpoint's form."""
+    mine, theirs = _form(entry, "", key), _form(saved, prefix, key)
+    if mine is None or theirs is None or (mine == theirs == "values"):
+        return
+    ck, sk = codes_key(key), scales_key(key)
+    like = entry[key] if mine == "values" else entry[ck]  # shaped like the parameter
+    if not isinstance(like, torch.Tensor):
+        return
+    if theirs == "values":  # the values, placed like the codes
+        md = saved[prefix + key]
+        entry[key] = _like(like, md.properties.dtype)
+        del entry[ck], entry[sk]
+        return
+    cmd, smd = saved[prefix + ck], saved[prefix + sk]
+    scales = tuple(smd.size)
+    if mine == "8bit" and scales == tuple(entry[sk].shape):
+        return  # the same pair
+    if scales == ops.scales_shape_8bit(tuple(cmd.size)):  # the rows' blocks, read whole
+        codes, scales_t = _whole(like, cmd), _whole(like, smd)
+    else:
+        codes, scales_t = _like(like, cmd.properties.dtype), _first_format(like, smd, prefix + sk)
+        if scales_t is None:
+            return
+    entry.pop(key, None)
+    entry[ck], entry[sk] = codes, scales_t
+
+
+def _like(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Zeros of ``dtype`` shaped and placed like ``t``."""
+    z = torch.zeros(local(t).shape, dtype=dtype, device=local(t).device)
+    if not hasattr(t, "device_mesh"):
+        return z
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.from_local(z, t.device_mesh, t.placements, run_check=False, shape=t.shape,
+                              stride=t.stride())  # fmt: skip
+
+
+def _whole(like: torch.Tensor, md) -> torch.Tensor:
+    """A tensor of the checkpoint's ``md`` read whole on this rank: replicated on
+    ``like``'s mesh for a DTensor ``like``."""
+    z = torch.zeros(tuple(md.size), dtype=md.properties.dtype, device=local(like).device)
+    if not hasattr(like, "device_mesh"):
+        return z
+    from torch.distributed.tensor import DTensor, Replicate
+
+    mesh = like.device_mesh
+    return DTensor.from_local(z, mesh, [Replicate()] * mesh.ndim, run_check=False)
+
+
+def _first_format(like: torch.Tensor, md, where: str) -> torch.Tensor | None:
+    """Scales of the first 8-bit format as this mesh would have saved them (Note
+    [Checkpoint templates]): 1-D for a plain tensor, one row per shard of a DTensor's
+    mesh; an error for the first format of another mesh; None for neither."""
+    size = tuple(md.size)
+    device = local(like).device
+    mesh = getattr(like, "device_mesh", None)
+    if mesh is None:
+        if len(size) == 1:
+            return torch.zeros(size, dtype=torch.float32, device=device)
+        rows = size[:-1]
+    else:
+        from torch.distributed.tensor import DTensor, Replicate, Shard
+
+        sharded = [pl.is_shard() for pl in like.placements]
+        rows = tuple(mesh.size(j) if s else 1 for j, s in enumerate(sharded))
+        if len(size) == mesh.ndim + 1 and size[:-1] == rows:
+            placements = [Shard(j) if s else Replicate() for j, s in enumerate(sharded)]
+            z = torch.zeros((*(1 for _ in sharded), size[-1]), dtype=torch.float32, device=device)
+            return DTensor.from_local(z, mesh, placements, run_check=False, shape=size,
+                                      stride=torch.empty(size, device="meta").stride())  # fmt: skip
+    if len(size) < 2:
+        return None
+    raise ValueError(
+        f"match_checkpoint: the checkpoint's {where!r} holds the first 8-bit format's scales "
+        f"(one row per shard, blocks of each rank's memory order), saved on a mesh of "
+        f"{'x'.join(map(str, size[:-1]))} shards; here the parameter is "
+        f"{'not sharded' if mesh is None else 'sharded ' + 'x'.join(map(str, rows))}. Load "
+        "it on the mesh it was saved on and save it again: this release's format loads on "
+        "any mesh"
+    )
+
+
+# Note [Entries in another layout]
+# A state entry read from a checkpoint may be laid out unlike its parameter: a DTensor of
+# other placements (a pair read whole, Note [Checkpoint templates]; HSDP's placements in
+# another order, whose local shards have the same shape and other elements), or a plain
+# full tensor for a DTensor parameter. Adoption takes each moment into the parameter's
+# layout before it reads local shards: values are redistributed (or, plain, cut into this
+# rank's shard); an 8-bit pair is decoded in its own layout first, since its blocks are
+# its own shards'. A pair whose codes are placed like the parameter is read as it is (the
+# first format's scales have placements of their own). Masters go the same way as values.
+def in_layout_of(p: torch.Tensor, entry: Mapping, keys) -> dict:
+    """Entry ``entry``'s tensors under ``keys`` as local tensors in ``p``'s layout (Note
+    [Entries in another layout]), by key; an 8-bit pair laid out otherwise becomes its
+    moment's FP32 values."""
+    values, pairs = {}, set()
+    for key in keys:
+        value = entry.get(key)
+        if not isinstance(value, torch.Tensor):
+            continue
+        moment = next((k for k in STATE_KEYS if key in (codes_key(k), scales_key(k))), None)
+        if moment is None:
+            values[key] = local(_to_layout(value, p))
+            continue
+        if moment in pairs:
+            continue
+        pairs.add(moment)
+        codes, scales = entry.get(codes_key(moment)), entry.get(scales_key(moment))
+        if not isinstance(codes, torch.Tensor) or not isinstance(scales, torch.Tensor):
+            continue  # check_state_entry refused it already
+        if _same_layout(codes, p):
+            values[codes_key(moment)], values[scales_key(moment)] = local(codes), local(scales)
+        else:
+            values[moment] = local(_to_layout(decoded_pair(codes, scales, moment), p))
+    return values
+
+
+def _same_layout(t: torch.Tensor, p: torch.Tensor) -> bool:
+    if not hasattr(p, "device_mesh"):
+        return not hasattr(t, "device_mesh")
+    return (
+        hasattr(t, "device_mesh")
+        and t.device_mesh == p.device_mesh
+        and tuple(t.placements) == tuple(p.placements)
+    )
+
+
+def _to_layout(t: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """``t`` (shaped like ``p``) laid out like ``p``."""
+    if _same_layout(t, p):
+        return t
+    if not hasattr(p, "device_mesh"):
+        return t.full_tensor()  # a DTensor entry for a plain parameter
+    if not hasattr(t, "device_mesh"):
+        from torch.distributed.tensor import distribute_tensor
+
+        # A full tensor that every rank holds: this rank's shard of it, no collective.
+        return distribute_tensor(t, p.device_mesh, p.placements, src_data_rank=None)
+    if t.device_mesh != p.device_mesh:
+        raise ValueError(
+            f"a state tensor on mesh {t.device_mesh} for a parameter on mesh {p.device_mesh}: "
+            "load the checkpoint onto the parameter's mesh"
+        )
+    return t.redistribute(p.device_mesh, p.placements)
