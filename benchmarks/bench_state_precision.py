@@ -23,12 +23,14 @@ Tensor sizes are rounded to multiples of 256 (50M in 200 tensors: 200 x 250,112)
 that torchao quantizes every tensor.
 
     .venv/bin/python benchmarks/bench_state_precision.py --elements 50M --tensors 200
+    .venv/bin/python benchmarks/bench_state_precision.py --elements 20M --tensors 100 --row 1000
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import sys
 import time
@@ -46,7 +48,8 @@ TRAFFIC = {"torch_fused": 28, "ours_fp32": 28, "ours_bf16": 20, "ours_8bit": 16,
            "torchao_8bit": 16, "torch_fused_bf16": 20, "stream_add": 12}  # fmt: skip
 
 
-def make_params(sizes: list[int], seed: int) -> list[torch.nn.Parameter]:
+def make_params(sizes: list, seed: int) -> list[torch.nn.Parameter]:
+    """A parameter of each size (an element count, or a shape), with a gradient."""
     gen = torch.Generator().manual_seed(seed)
     params = [torch.nn.Parameter(torch.randn(s, generator=gen)) for s in sizes]
     for p in params:
@@ -67,7 +70,7 @@ def state_bytes(opt: torch.optim.Optimizer) -> int:
     return total
 
 
-def build(name: str, sizes: list[int]):
+def build(name: str, sizes: list):
     """(step function, optimizer) of a variant, or (None, reason) where it cannot run."""
     params = make_params(sizes, seed=0)
     if name == "torch_fused":
@@ -93,7 +96,8 @@ def build(name: str, sizes: list[int]):
                 "exp_avg_sq": torch.zeros_like(p, dtype=torch.bfloat16),
             }
     elif name == "stream_add":
-        a, b = torch.randn(sum(sizes)), torch.randn(sum(sizes)) * 1e-9
+        n = sum(math.prod(s) if isinstance(s, tuple) else s for s in sizes)
+        a, b = torch.randn(n), torch.randn(n) * 1e-9
         return (lambda: a.add_(b)), None
     else:
         raise KeyError(name)
@@ -111,16 +115,24 @@ def main(argv=None) -> int:
     ap.add_argument("--samples", type=int, default=7, help="alternating samples per variant")
     ap.add_argument("--iterations", type=int, default=3, help="steps per sample")
     ap.add_argument("--warmup", type=int, default=2, help="steps per variant before measuring")
+    ap.add_argument("--row", type=int, default=0,
+                    help="2-D tensors of rows of this many elements (default 0: 1-D tensors); "
+                         "rows that are not whole blocks of 256 make the 8-bit blocks each "
+                         "row's (Note [8-bit row blocks] in csrc/quant8.h)")  # fmt: skip
     ap.add_argument("--json", type=Path, help="write the results here")
     args = ap.parse_args(argv)
+    if args.row < 0:
+        ap.error(f"--row must be 0 (1-D tensors) or a row length, got {args.row}")
     n = parse_elements(args.elements)[0]
     # Multiples of 256: torchao quantizes only tensors whose size its block (256) divides,
-    # and keeps the others FP32 (50M / 200 = 250,000 is not one).
-    each = max(256, round(n / args.tensors / 256) * 256)
-    sizes = [each] * args.tensors
-    n = sum(sizes)
+    # and keeps the others FP32 (50M / 200 = 250,000 is not one); and of the row length.
+    unit = math.lcm(256, args.row) if args.row else 256
+    each = max(unit, round(n / args.tensors / unit) * unit)
+    sizes = [(each // args.row, args.row) if args.row else each] * args.tensors
+    n = each * args.tensors
     env = environment(torch.device("cpu"))
-    print(f"{n:,} FP32 elements in {args.tensors} tensors; CPU {env.get('cpu_model')}, "
+    shape = f"{each // args.row} x {args.row}" if args.row else f"{each:,}"
+    print(f"{n:,} FP32 elements in {args.tensors} tensors of {shape}; CPU {env.get('cpu_model')}, "
           f"{torch.get_num_threads()} threads, torch {torch.__version__}", flush=True)  # fmt: skip
     names = [
         "torch_fused",
@@ -175,7 +187,8 @@ def main(argv=None) -> int:
         print(f"{name:<18}not run: {why}")
     if args.json:
         args.json.write_text(json.dumps(dict(environment=env, elements=n, tensors=args.tensors,
-                                             results=rows, skipped=skipped), indent=1))  # fmt: skip
+                                             row=args.row, results=rows, skipped=skipped),
+                                        indent=1))  # fmt: skip
     return 0
 
 

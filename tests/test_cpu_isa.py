@@ -20,6 +20,10 @@ from ruda_torch import _build
 
 RUNNABLE = [i for i in _build.CPU_ISAS_BUILT if i in _build.CPU_ISAS_SUPPORTED]
 SIZES = [97, 1025, 65537, 0, 3 * 16384 + 5]
+# Rows that are not whole blocks (Note [8-bit row blocks] in csrc/quant8.h): a row's last
+# block shorter than 256 by a whole number of vectors or not (the one-pass way's scalar
+# tail: Note [One pass per 8-bit block]), rows of one short block, rows of whole blocks.
+ROW_SHAPES = [(13, 300), (40, 70), (9, 1000), (33, 128), (5, 4, 31), (7, 512)]
 
 
 @pytest.fixture
@@ -32,7 +36,8 @@ def _train(kind: str) -> list[torch.Tensor]:
     """Every tensor a few steps of one configuration produce (parameters, state, report)."""
     gen = torch.Generator().manual_seed(17)
     pdtype = {"fp32": torch.float32, "fp64": torch.float64}.get(kind, torch.bfloat16)
-    params = [torch.nn.Parameter(torch.randn(n, generator=gen).to(pdtype)) for n in SIZES]
+    sizes = ROW_SHAPES if kind == "8bit-rows" else SIZES
+    params = [torch.nn.Parameter(torch.randn(n, generator=gen).to(pdtype)) for n in sizes]
     kw = dict(lr=1e-2, eps=1e-8, weight_decay=1e-2, fused_step=True)
     if kind == "fp32":
         kw.update(amsgrad=True, hierarchical_stats=True, max_grad_norm=0.5)
@@ -42,7 +47,7 @@ def _train(kind: str) -> list[torch.Tensor]:
         kw.update(master_weights="remainder", amsgrad=True)
     elif kind == "bf16-sr":
         kw.update(stochastic_rounding=True, rounding_seed=3)
-    elif kind == "8bit":  # the codes and scales of the 8-bit step (csrc/quant8.h)
+    elif kind in ("8bit", "8bit-rows"):  # the codes and scales of the 8-bit step (quant8.h)
         kw.update(amsgrad=True, state_precision="8bit", min_8bit_size=1000)
     opt = ruda_torch.AdamW(params, **kw)
     mixed = kind == "fp32" and hasattr(params[0], "grad_dtype")  # FP16 gradients (torch >= 2.14)
@@ -59,6 +64,8 @@ def _train(kind: str) -> list[torch.Tensor]:
             # that block takes the per-pass path from then on, between blocks that do not
             # (Note [One pass per 8-bit block]).
             params[2].grad[70 * 256 + 3] = 1e30
+        if kind == "8bit-rows" and step == 1:  # the same, in a row's shorter last block
+            params[0].grad[7, 260] = 1e30
         opt.step()
         out += [p.detach().clone() for p in params]
         out += [v.clone() for p in params for v in opt.state[p].values()]
@@ -101,7 +108,7 @@ def test_every_isa_build_gives_the_default_bits(isa, restore_isa):
     results = {}
     for build in dict.fromkeys(["default", isa]):
         assert _build.use_cpu_isa(build) == build
-        kinds = ("fp32", "fp64", "bf16-master", "bf16-remainder", "bf16-sr", "8bit")
+        kinds = ("fp32", "fp64", "bf16-master", "bf16-remainder", "bf16-sr", "8bit", "8bit-rows")
         results[build] = [_train(k) for k in kinds]
         results[build].append(_stats_inputs())
     for got_set, want_set in zip(results[isa], results["default"], strict=True):
