@@ -392,9 +392,9 @@ AdamWLaunch prepare_launch(const char* op, size_t n, const at::Device& device,
 
 // With 8-bit moments: whether a tensor of `entries` has a block the CUDA kernels do not
 // access directly (Note [8-bit CUDA registers] in csrc/cuda/adamw_cuda.cu): a last block
-// shorter than kBlock8, a slice laid out in rows (Note [8-bit row blocks]), or parameters,
-// gradients, masters or codes not aligned for their wide accesses (16 bytes for elements, 8 for
-// codes).
+// shorter than kBlock8, a tensor whose rows are not whole blocks (Note [8-bit row blocks]), or
+// parameters, gradients, masters or codes not aligned for their wide accesses (16 bytes for
+// elements, 8 for codes).
 bool edges8_of(const AdamWLaunch& L, const std::vector<TensorEntry>& entries) {
   if (L.state_dtype != DType::kUInt8) return false;
   const auto misaligned = [](const void* p, uintptr_t bytes) {

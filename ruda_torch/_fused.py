@@ -140,7 +140,7 @@ class Bucket:
         self.offsets = offsets
         self.capacity = total  # state elements of each moment buffer
         # Each moment's run of scales: a flat slot's at its offset / BLOCK_8BIT, then those
-        # of the slots laid out in rows, one after another.
+        # of the slots whose rows are not whole blocks, one after another.
         self.scale_offsets, run = [], total // BLOCK_8BIT if self.eight_bit else 0
         for i, off in enumerate(offsets):
             self.scale_offsets.append(run if self.rows8[i] else off // BLOCK_8BIT)

@@ -63,8 +63,8 @@ def moment_code(key: str) -> str:
 # like the parameter) and `<moment>_scales` (FP32, one per block: Note [8-bit row blocks]
 # in csrc/quant8.h, shape ops.scales_shape_8bit(parameter shape), the rows' blocks in
 # order), in place of `<moment>`: what ops.quantize_8bit returns for the moment's values.
-# The codes' strides do not matter (a slot laid out in rows has gaps between its rows);
-# the blocks are defined on the shape. An entry of the earlier format (scales of one
+# The codes' strides do not matter: the blocks are defined on the shape (a bucket keeps
+# the codes of its slot contiguous, one per element). An entry of the earlier format (scales of one
 # dimension, one per block of 256 codes in the codes' memory order, for a parameter of two
 # or more dimensions; on a mesh, one row of scales per shard) still loads: converted where
 # its blocks are not the rows' (Note [8-bit blocks on every mesh]).

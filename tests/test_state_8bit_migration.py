@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 from test_distributed import run_scenario
 from test_ops import same_bits
+from test_state_8bit_mesh import _full, assert_same_state, full_state
 
 import ruda_torch
 from ruda_torch import ops
@@ -43,27 +44,6 @@ def distributed(test):
 
 def code_of(key: str) -> str:
     return "signed" if key == "exp_avg" else "unsigned"
-
-
-def _full(t: torch.Tensor) -> torch.Tensor:
-    return t.full_tensor() if hasattr(t, "full_tensor") else t.detach().clone()
-
-
-def full_state(model, opt) -> dict:
-    """Every parameter and its state entry, unsharded (a collective), by name."""
-    return {
-        name: (_full(p), {k: _full(v) for k, v in sorted(opt.state[p].items())})
-        for name, p in model.named_parameters()
-    }
-
-
-def assert_same_state(got: dict, want: dict, what: str) -> None:
-    assert got.keys() == want.keys(), what
-    for name, (p, entry) in want.items():
-        assert same_bits(got[name][0], p), f"{what}: {name}"
-        assert got[name][1].keys() == entry.keys(), f"{what}: {name} {sorted(got[name][1])}"
-        for key, value in entry.items():
-            assert same_bits(got[name][1][key], value), f"{what}: {name}[{key!r}]"
 
 
 def assert_holds(entry: dict, decoded: dict, what: str) -> None:
