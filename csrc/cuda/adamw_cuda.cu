@@ -314,6 +314,10 @@ struct TileWalk {
   }
 
   // Moves to unit u (false past the block's run): its step values, and its tile into `tile`.
+  // kRows: the 8-bit kernel's walk, whose tensors may have rows that are not whole blocks
+  // (Note [8-bit row blocks] in csrc/quant8.h); the other kernels' tensors never do, and
+  // their per-tile bookkeeping stays without the rows' extent (5 SASS per tile).
+  template <bool kRows = false>
   __device__ bool at_unit(const AdamWLaunch& L, UnitTile& tile) {
     if (u >= u_end) return false;
     while (u >= next) {  // the tensors before unit u (empty ones own no unit)
@@ -336,8 +340,12 @@ struct TileWalk {
       key_vm = moment_key(L.seed, t, Moment::kMaxExpAvgSq);
     }
     const int64_t first = static_cast<int64_t>(u - e.unit_start) * kCudaTile;
-    tile.count = static_cast<int32_t>(min(kCudaTile, state_extent(e) - first));
-    tile.row = static_cast<int32_t>(e.row);
+    if constexpr (kRows) {
+      tile.count = static_cast<int32_t>(min(kCudaTile, state_extent(e) - first));
+      tile.row = static_cast<int32_t>(e.row);
+    } else {  // tile.row is not read
+      tile.count = static_cast<int32_t>(min(kCudaTile, e.numel - first));
+    }
     tile.param = e.param;
     tile.grad = e.grad;
     tile.first = first;
@@ -685,7 +693,7 @@ __device__ inline void step_tiles8(const AdamWLaunch& L) {
   __syncwarp();
   for (;;) {
     TileWalk<float> now = w;
-    const bool more = now.at_unit(L, tile);
+    const bool more = now.at_unit<true>(L, tile);
     __syncwarp();  // every lane has read the warp's walk
     if (lane == 0) {
       TileWalk<float> after = now;
