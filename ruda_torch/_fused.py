@@ -86,7 +86,6 @@ from ._state8bit import (
     moment_code,
     moment_values,
     pair_format,
-    slot_row,
     wrap_scales,
 )
 from ._validate import check_flat_grad_dtype
@@ -131,7 +130,7 @@ class Bucket:
         # With 8-bit moments, each slot's rows (Note [8-bit row blocks] in csrc/quant8.h):
         # their length where they are not whole blocks (0: the flat tensor's blocks), and
         # its scales (one per block).
-        self.rows8 = [slot_row(t) if self.eight_bit else 0 for t in self.locals]
+        self.rows8 = [ops.ragged_row_8bit(t.shape) if self.eight_bit else 0 for t in self.locals]
         self.blocks = [blocks_of_8bit(t) if self.eight_bit else 0 for t in self.locals]
         offsets, total = [], 0
         for t in self.locals:
@@ -601,8 +600,7 @@ def _flat_blocks_are_rows(codes: torch.Tensor) -> bool:
     """Whether the blocks of the earlier 8-bit format (of the codes' memory order) are those
     of the rows (Note [8-bit row blocks] in csrc/quant8.h): then its codes and scales load
     as they are."""
-    rows, row = ops.rows_8bit(codes.shape)
-    return codes.is_contiguous() and (rows <= 1 or row % BLOCK_8BIT == 0)
+    return codes.is_contiguous() and not ops.ragged_row_8bit(codes.shape)
 
 
 def _wrap_like(local_view: torch.Tensor, p: torch.Tensor) -> torch.Tensor:

@@ -64,10 +64,11 @@ def moment_code(key: str) -> str:
 # in csrc/quant8.h, shape ops.scales_shape_8bit(parameter shape), the rows' blocks in
 # order), in place of `<moment>`: what ops.quantize_8bit returns for the moment's values.
 # The codes' strides do not matter: the blocks are defined on the shape (a bucket keeps
-# the codes of its slot contiguous, one per element). An entry of the earlier format (scales of one
-# dimension, one per block of 256 codes in the codes' memory order, for a parameter of two
-# or more dimensions; on a mesh, one row of scales per shard) still loads: converted where
-# its blocks are not the rows' (Note [8-bit blocks on every mesh]).
+# the codes of its slot contiguous, one per element). An entry of the earlier format
+# (scales of one dimension, one per block of 256 codes in the codes' memory order, for a
+# parameter of two or more dimensions; on a mesh, one row of scales per shard) still
+# loads: converted where its blocks are not the rows' (Note [8-bit blocks on every
+# mesh]).
 # The names differ from torch's on purpose: torch.optim.AdamW casts every state tensor
 # it loads to the parameter's dtype, so codes under torch's name would load there as
 # values 0..255 and step silently wrong; under their own names torch's step stops with
@@ -276,14 +277,6 @@ def check_mesh_8bit(p: torch.Tensor, where: str) -> None:
             "group of its own, or min_8bit_size above its element count), or shard it along "
             "its first dimension, or into parts of whole blocks"
         )
-
-
-def slot_row(t: torch.Tensor) -> int:
-    """The row length the kernel walks a local tensor's 8-bit slot by (Note [8-bit row
-    blocks] in csrc/quant8.h): its rows' where they are not whole blocks and there is more
-    than one, else 0 (the flat tensor's blocks are the rows')."""
-    rows, row = ops.rows_8bit(t.shape)
-    return row if rows > 1 and row % BLOCK_8BIT else 0
 
 
 def blocks_of_8bit(t: torch.Tensor) -> int:

@@ -291,13 +291,22 @@ def scales_shape_8bit(shape) -> tuple[int, ...]:
     return (per_row,) if len(tuple(shape)) < 2 else (rows, per_row)
 
 
-def _padded_rows(shape) -> tuple[int, int, int] | None:
-    """(rows, row length, padded row length) where a tensor's rows do not fill whole blocks
-    and there is more than one (its codes are then coded row by row); None otherwise."""
+def ragged_row_8bit(shape) -> int:
+    """The row length of a tensor of ``shape`` whose rows are not whole blocks of
+    ``BLOCK_8BIT`` and are more than one (Note [8-bit row blocks] in csrc/quant8.h: its
+    blocks are then not the flat tensor's), else 0 (its rows' blocks are the flat
+    tensor's)."""
     rows, row = rows_8bit(shape)
-    if rows <= 1 or row % BLOCK_8BIT == 0:
+    return row if rows > 1 and row % BLOCK_8BIT else 0
+
+
+def _padded_rows(shape) -> tuple[int, int, int] | None:
+    """(rows, row length, padded row length) where the blocks are not the flat tensor's
+    (ragged_row_8bit; its codes are then coded row by row); None otherwise."""
+    row = ragged_row_8bit(shape)
+    if not row:
         return None
-    return rows, row, -(-row // BLOCK_8BIT) * BLOCK_8BIT
+    return rows_8bit(shape)[0], row, -(-row // BLOCK_8BIT) * BLOCK_8BIT
 
 
 def quantize_8bit(x: torch.Tensor, code: str) -> tuple[torch.Tensor, torch.Tensor]:
