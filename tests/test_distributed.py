@@ -105,16 +105,50 @@ _PRELOAD_MODULES = (
 
 
 def _start_method() -> str:
-    """fork where the test process is still clean (no CUDA context, no process group: a
-    forked child must not inherit those), else a fork server that has imported the
-    modules once, else spawn (every worker imports torch)."""
+    """fork where the test process is still clean (no CUDA context, no process group, and
+    autograd still usable in a forked child: a forked child must not inherit those), else
+    a fork server that has imported the modules once, else spawn (every worker imports
+    torch)."""
     chosen = os.environ.get("RUDA_TORCH_TEST_START_METHOD")
     if chosen:
         return chosen
     methods = multiprocessing.get_all_start_methods()
-    if "fork" in methods and not torch.cuda.is_initialized() and not dist.is_initialized():
+    if (
+        "fork" in methods
+        and not torch.cuda.is_initialized()
+        and not dist.is_initialized()
+        and _forked_autograd_works()
+    ):
         return "fork"
     return "forkserver" if "forkserver" in methods else "spawn"
+
+
+_FORKED_AUTOGRAD_BROKEN = False
+
+
+def _forked_autograd_works() -> bool:
+    """Whether a child forked from this process can run a backward: not once this process
+    has run one itself (torch's autograd engine then marks forked children, which raise
+    "Unable to handle autograd's threading in combination with fork-based
+    multiprocessing"), as an earlier test in the same pytest worker may have. Asked of a
+    forked child itself, not guessed; once broken it stays broken, and is not asked
+    again."""
+    global _FORKED_AUTOGRAD_BROKEN
+    if _FORKED_AUTOGRAD_BROKEN:
+        return False
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # fork() with threads (3.12+)
+        pid = os.fork()
+    if pid == 0:  # the child: a backward, then the verdict as the exit status
+        try:
+            torch.ones(1, requires_grad=True).sum().backward()
+            code = 0
+        except BaseException:
+            code = 1
+        os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    _FORKED_AUTOGRAD_BROKEN = os.waitstatus_to_exitcode(status) != 0
+    return not _FORKED_AUTOGRAD_BROKEN
 
 
 def _preload(method: str) -> None:
