@@ -242,29 +242,6 @@ RUDA_HOST_DEVICE inline float dequantize8_special(uint32_t code, float scale) {
   return decode8<kCode>(static_cast<uint8_t>(code)) * float_from_bits(magnitude_bits(scale));
 }
 
-// decode8 through the FP32 format itself (the CUDA kernels): a code's exponent and mantissa
-// bits, placed where an FP32's are, make an FP32 of 2^(kTop - 127) times the code's value,
-// subnormal for a subnormal code (the formats have the same layout, FP32's exponent bias
-// 127 for the code's kTop), and one exact multiplication by 2^(127 - kTop) gives decode8's
-// value: a shift and a product instead of both of decode_magnitude's ways and a select.
-// Needs FP32 subnormals kept (the CUDA build has -ftz=false; the CPU's loops run where
-// denormal inputs may cost a microcode assist and keep decode_magnitude).
-// tests/test_cuda_sim.py decodes all 256 codes of both kinds.
-template <Code8 kCode>
-RUDA_HOST_DEVICE inline float decode8_scaled(uint32_t code) {
-  if constexpr (kCode == Code8::kSigned) {  // E3M4 under the sign bit: top binade 2^(7 - 127)
-    const uint32_t bits = ((code & 0x7Fu) << 19) | ((code & 0x80u) << 24);
-    return float_from_bits(bits) * 1.329227995784916e36f;        // 2^120
-  } else {                                                       // E4M4: top binade 2^(15 - 127)
-    return float_from_bits(code << 19) * 5.192296858534828e33f;  // 2^112
-  }
-}
-
-template <Code8 kCode>
-RUDA_HOST_DEVICE inline float dequantize8_scaled(uint32_t code, float scale) {
-  return decode8_scaled<kCode>(code) * scale;
-}
-
 #if !defined(__CUDA_ARCH__)
 // The CPU kernels' decoding of n values (n <= kBlock8) of one block into out, each
 // decode8's value times the scale (dequantize8_special's in a block with non-finite

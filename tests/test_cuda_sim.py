@@ -211,8 +211,9 @@ def test_update_matches_cpu(sim, schedule, variant, unaligned):
     "pdtype,amsgrad,master,rounding",
     [(torch.float32, False, False, 0), (torch.float32, True, False, 0),
      (torch.bfloat16, True, False, 1), (torch.float16, False, True, 0),
-     (torch.bfloat16, False, True, 0)],
-    ids=["fp32", "fp32-amsgrad", "bf16-amsgrad-stochastic", "fp16-master", "bf16-master"],
+     (torch.bfloat16, False, True, 0), (torch.float16, True, False, 0)],
+    ids=["fp32", "fp32-amsgrad", "bf16-amsgrad-stochastic", "fp16-master", "bf16-master",
+         "fp16-amsgrad"],
 )  # fmt: skip
 def test_update_8bit_matches_cpu(sim, schedule, pdtype, amsgrad, master, rounding, layout,
                                  views):  # fmt: skip
@@ -311,15 +312,20 @@ def test_update_remainder_matches_cpu(sim, schedule, moments, amsgrad, views):
 
 @pytest.mark.parametrize("views", ["aligned", "unaligned"])
 @pytest.mark.parametrize(
-    "pdtype,amsgrad,master",
-    [(torch.float32, True, False), (torch.bfloat16, False, True)],
-    ids=["fp32-amsgrad", "bf16-master"],
-)
-def test_update_8bit_overflow_matches_cpu(sim, schedule, pdtype, amsgrad, master, views):
+    "pdtype,amsgrad,master,rounding",
+    [(torch.float32, True, False, 0), (torch.bfloat16, False, True, 0),
+     (torch.bfloat16, True, False, 1), (torch.bfloat16, False, False, 0)],
+    ids=["fp32-amsgrad", "bf16-master", "bf16-amsgrad-stochastic", "bf16"],
+)  # fmt: skip
+def test_update_8bit_overflow_matches_cpu(sim, schedule, pdtype, amsgrad, master, rounding,
+                                          views):  # fmt: skip
     """Moments that overflow (Note [8-bit moments]): gradients of 1e19, +-1e30, FLT_MAX (where
     the dtype holds it) and subnormals, and stored moments already holding infinities and a
     block of nothing but them; the special blocks decode, step and code again on the
-    emulated device as on the CPU, in the direct kernel and the edge kernel."""
+    emulated device as on the CPU, in the direct kernel and the edge kernel. 16-bit
+    parameters without a master also hold +-inf, NaN and subnormals, which the direct
+    kernel rounds a pair at a time (stochastically: the canonical NaN's clamp, infinities
+    kept whatever the random bits)."""
     from test_quant8 import _bucket_8bit, _extreme_grads
 
     sizes = [97, 1025, 256, 4097]
@@ -335,10 +341,16 @@ def test_update_8bit_overflow_matches_cpu(sim, schedule, pdtype, amsgrad, master
     m = ops.unpack_8bit(state["exp_avg"], "signed")
     m[1024 + 7] = float("-inf")
     state["exp_avg"] = ops.pack_8bit(m, "signed")
+    if pdtype != torch.float32 and not master:
+        specials = torch.tensor([float("inf"), -float("inf"), float("nan"), 1e-40, -0.0])
+        for p in params:  # each value at an even and at an odd element (both halves of a pair)
+            for first in (1, 2):
+                at = torch.arange(first, p.numel(), 7)[: specials.numel()]
+                p[at] = specials[: at.numel()].to(pdtype)
     if views == "unaligned":
         params = [torch.empty(p.numel() + 1, dtype=p.dtype)[1:].copy_(p) for p in params]
     state = dict(state, params=params, grads=grads)
-    cpu, emu = _run_both(sim, state, rounding=0, seed=11)
+    cpu, emu = _run_both(sim, state, rounding=rounding, seed=11)
     _compare(cpu, emu, f"8-bit overflow {pdtype}")
     for key, code in (("exp_avg", "signed"), ("exp_avg_sq", "unsigned")):  # special blocks
         assert torch.isinf(ops.unpack_8bit(cpu[key], code)).any(), key
@@ -459,12 +471,16 @@ def test_quantize_8bit_matches_cpu(sim, schedule, code, n):
 
 @pytest.mark.parametrize("code", ops.CODES_8BIT)
 def test_dequantize_every_code_matches_cpu(sim, code):
-    """All 256 codes of each kind decoded by the CUDA kernels (decode8_scaled: the code's bits
-    placed in an FP32 and one exact product, Note [8-bit moments]) and by the CPU kernels,
+    """All 256 codes of each kind decoded by the CUDA kernels (decode_lane8, the update's
+    decoder: two codes at a time through FP16, Note [8-bit CUDA decode]) and by the CPU kernels,
     with scales of every kind: tiny, huge, zero, one, and the negated scales of blocks with
     non-finite values (their special codes), -0.0 and NaN of either sign among them."""
+    # 2^120 and the FP32 value below it: where the signed decoder's product by scale 2^8
+    # stops being exact and it multiplies by 2^8 first (Note [8-bit CUDA decode]).
+    below = torch.tensor(2.0**120).view(torch.int32).sub(1).view(torch.float32).item()
     scales = torch.tensor([1.0, 3.0e38, 1.5e-38, 0.0, 7.25e-3, 2.0**-100, -1.0, -3.0e38, -0.0,
-                           -7.25e-3, float("nan"), -float("nan")])  # fmt: skip
+                           -7.25e-3, float("nan"), -float("nan"), 2.0**120, below, 2.0**119,
+                           -(2.0**120)])  # fmt: skip
     codes = torch.arange(256, dtype=torch.uint8).repeat(scales.numel())
     out = torch.full((codes.numel(),), -1.0)
     sim.dequantize_8bit(codes, scales, out, ops.CODES_8BIT.index(code))

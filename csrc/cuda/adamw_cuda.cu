@@ -165,7 +165,7 @@ __device__ inline void step_element(const Slice<P, G, S>& s, int64_t k,
   } else {
     pk = s.p[k];
   }
-  adamw_element<AMSGRAD, ScalarOps>(pk, to_math(s.g[k]), mk, vk, vmk, c);
+  adamw_element<AMSGRAD, DeviceOps>(pk, to_math(s.g[k]), mk, vk, vmk, c);
   if constexpr (REM) {
     const uint32_t split = split_master(pk);
     reinterpret_cast<uint16_t*>(s.p)[k] = static_cast<uint16_t>(split >> 16);
@@ -224,7 +224,7 @@ __device__ inline void update_vec(const Slice<P, G, S>& s, int64_t k, const Step
   if (AMSGRAD) load_vec<kVec>(s.vm + k, vmv);
 #pragma unroll
   for (int j = 0; j < kVec; ++j) {
-    adamw_element<AMSGRAD, ScalarOps>(pv[j], gv[j], mv[j], vv[j], vmv[j], c);
+    adamw_element<AMSGRAD, DeviceOps>(pv[j], gv[j], mv[j], vv[j], vmv[j], c);
   }
   if constexpr (REM) {
     uint16_t out[kVec], low[kVec];
@@ -475,7 +475,7 @@ __device__ inline Tile8<P, G> tile8(const AdamWLaunch& L, const UnitTile& tile, 
   const volatile UnitTile& vt = tile;
   int64_t first = vt.first + kb;
   int64_t state = vt.state0 + kb;
-  int64_t scale = state / kBlock8;
+  int64_t scale = static_cast<int64_t>(static_cast<uint64_t>(state) / kBlock8);  // never negative
   int32_t n = static_cast<int32_t>(kBlock8);
   if constexpr (kRows) {
     TensorEntry e{};
@@ -504,19 +504,21 @@ __device__ inline Tile8<P, G> tile8(const AdamWLaunch& L, const UnitTile& tile, 
 // scale (kEdge; sk / kBlock8 otherwise), `n` its elements (kBlock8 unless kEdge). kEdge: the
 // block's n elements read and written one by one (a tensor's shorter last block, a view
 // that is not 16-byte aligned: Note [8-bit CUDA registers]).
-template <typename P, typename G, bool AMSGRAD, bool kEdge, bool REM>
-__device__ inline void step_block8(const AdamWLaunch& L, const StepCoefs<float>& c, P* p,
+template <typename P, typename G, bool AMSGRAD, bool kEdge, bool REM, typename Ch>
+__device__ inline void step_block8(const AdamWLaunch& L, const StepCoefs<float>& coefs, P* p,
                                    const G* g, float* master, int64_t sk, int64_t sb, int n,
                                    Park8& park, const TileWalk<float>& w, const UnitTile& tile,
-                                   int32_t kb) {
+                                   int32_t kb, const Ch& ch) {
   constexpr int kMoments = AMSGRAD ? 3 : 2;
   const int lane = static_cast<int>(threadIdx.x % 32), tid = static_cast<int>(threadIdx.x);
-  // Launch-uniform (the launch's own pointer, not the block's): one branch for all lanes.
-  const bool with_master = !REM && kIs16Bit<P> && L.master != nullptr;
+  const bool with_master = !REM && kIs16Bit<P> && ch.master;
+  StepCoefs<float> c = coefs;
+  c.l2_on = ch.l2;  // the direct kernels' constant: their element loop tests none of these
   // Remainder masters (REM, Note [Remainder master]): BF16 parameters, 16-bit like them.
   P* rem = REM ? reinterpret_cast<P*>(L.remainder + sk) : nullptr;
-  const int64_t b = kEdge ? sb : sk / kBlock8;
-  // Read before lane 0 writes the new scales: each value feeds the shuffles below.
+  // (State indices are never negative: an unsigned shift, where the signed division took 6.)
+  const int64_t b = kEdge ? sb : static_cast<int64_t>(static_cast<uint64_t>(sk) / kBlock8);
+  // Read before lane 0 writes the new scales: each value feeds the warp's reduction below.
   float sc[3];
   sc[0] = L.exp_avg_scales[b];                          // static-check: 32-bit (a block's scale)
   sc[1] = L.exp_avg_sq_scales[b];                       // static-check: 32-bit (a block's scale)
@@ -524,7 +526,8 @@ __device__ inline void step_block8(const AdamWLaunch& L, const StepCoefs<float>&
   const int k = 8 * lane;                               // the lane's first element of the block
   // The parameters' random bits (stochastic rounding): a block of kBlock8 from a multiple of
   // kBlock8 shares its indices' high 32 bits.
-  const uint32_t high = rounding_high(static_cast<const volatile TileWalk<float>&>(w).key, sk);
+  const uint32_t high =
+      ch.stochastic ? rounding_high(static_cast<const volatile TileWalk<float>&>(w).key, sk) : 0u;
   const uint32_t low = static_cast<uint32_t>(sk);
   uint2 cw[3];
   if constexpr (kEdge) {  // the block's codes byte by byte, zeros past its end
@@ -576,33 +579,45 @@ __device__ inline void step_block8(const AdamWLaunch& L, const StepCoefs<float>&
     const float2 m2 = park.v[0][h][tid], v2 = park.v[1][h][tid];
     const float2 vm2 = AMSGRAD ? park.v[2][h][tid] : make_float2(0.0f, 0.0f);
     float m[2] = {m2.x, m2.y}, v[2] = {v2.x, v2.y}, vm[2] = {vm2.x, vm2.y};
+    float pk[2];
 #pragma unroll
     for (int j = 0; j < 2; ++j) {
-      float pk;
       if constexpr (kIs16Bit<P>) {
         const uint16_t bits = pq.bits16(h, j);
         if constexpr (REM) {
-          pk = master_of_remainder(bits, rq.bits16(h, j));
+          pk[j] = master_of_remainder(bits, rq.bits16(h, j));
+        } else if (with_master) {
+          pk[j] = master_or_param<kIsHalf<P>>(mq.value(h, j), bits, widen<P>(bits));
         } else {
-          pk = with_master ? master_or_param<kIsHalf<P>>(mq.value(h, j), bits, widen<P>(bits))
-                           : widen<P>(bits);
+          pk[j] = pq.value(h, j);
         }
       } else {
-        pk = pq.value(h, j);
+        pk[j] = pq.value(h, j);
       }
-      adamw_element<AMSGRAD, ScalarOps, false>(pk, gq.value(h, j), m[j], v[j], vm[j], c);
-      if constexpr (kIs16Bit<P>) {
-        if constexpr (REM) {
-          const uint32_t split = split_master(pk);
-          pq.set(h, j, split >> 16);
-          rq.set(h, j, split & 0xFFFFu);
-        } else {
-          if (with_master) mq.set(h, j, __float_as_uint(pk));
-          pq.set(h, j, round_param_split<kIsHalf<P>>(pk, L.rounding, high, low + k + 2 * h + j));
-        }
+      adamw_element<AMSGRAD, DeviceOps, false>(pk[j], gq.value(h, j), m[j], v[j], vm[j], c);
+    }
+    // The pair's results stored (16-bit parameters: the pair rounded into one word).
+    if constexpr (kIs16Bit<P>) {
+      if constexpr (REM) {
+        const uint32_t s0 = split_master(pk[0]), s1 = split_master(pk[1]);
+        pq.set_pair(h, __byte_perm(s0, s1, 0x7632));  // the parameters' high halves
+        rq.set_pair(h, __byte_perm(s0, s1, 0x5410));  // the remainders' low halves
       } else {
-        pq.set(h, j, __float_as_uint(pk));
+        if (with_master) {
+          mq.set(h, 0, __float_as_uint(pk[0]));
+          mq.set(h, 1, __float_as_uint(pk[1]));
+        }
+        if (!kIsHalf<P> && ch.stochastic) {
+          const uint32_t at = low + static_cast<uint32_t>(k + 2 * h);
+          pq.set_pair(h, round_pair_stochastic_bf16(pk[0], pk[1], rounding_mix(high, at),
+                                                    rounding_mix(high, at + 1u)));
+        } else {
+          pq.set_pair(h, round_pair_nearest16<kIsHalf<P>>(pk[0], pk[1]));
+        }
       }
+    } else {
+      pq.set(h, 0, __float_as_uint(pk[0]));
+      pq.set(h, 1, __float_as_uint(pk[1]));
     }
     largest[0] = largest_of(m, 2, largest[0]);
     largest[1] = largest_of(v, 2, largest[1]);
@@ -651,10 +666,14 @@ __device__ inline void step_block8(const AdamWLaunch& L, const StepCoefs<float>&
     oc[q] =
         q == 0 ? encode_lane8<Code8::kSigned>(x, sc[q]) : encode_lane8<Code8::kUnsigned>(x, sc[q]);
   }
-  // The block's state index read again (Note [8-bit CUDA registers]): its codes' and
-  // scales' addresses are not held through the arithmetic.
-  const Tile8<P, G> out = tile8<P, G, kEdge>(L, tile, false, kb, &w);
-  const int64_t sk_out = out.state, b_out = kEdge ? out.scale : sk_out / kBlock8;
+  // The edge kernel reads the block's state index again (Note [8-bit CUDA registers]); the
+  // direct one keeps it (its registers allow, and rereading it cost 20 SASS per block).
+  int64_t sk_out = sk, b_out = b;
+  if constexpr (kEdge) {
+    const Tile8<P, G> out = tile8<P, G, kEdge>(L, tile, false, kb, &w);
+    sk_out = out.state;
+    b_out = out.scale;
+  }
   if (lane == 0) {
     L.exp_avg_scales[b_out] = sc[0];
     L.exp_avg_sq_scales[b_out] = sc[1];
@@ -675,8 +694,8 @@ __device__ inline void step_block8(const AdamWLaunch& L, const StepCoefs<float>&
 // The 8-bit step over a launch's tiles: the blocks the lanes access directly (kEdges
 // false: adamw8_kernel) or the others (kEdges true: adamw8_edge_kernel, staged), each in a
 // kernel of its own so that each has its own 64 registers (Note [8-bit CUDA registers]).
-template <typename P, typename G, bool AMSGRAD, bool kEdges, bool REM>
-__device__ inline void step_tiles8(const AdamWLaunch& L) {
+template <typename P, typename G, bool AMSGRAD, bool kEdges, bool REM, typename Ch>
+__device__ inline void step_tiles8(const AdamWLaunch& L, const Ch& ch) {
   const StepDecision d = decide_step(L.control);
   if (d.skip) return;  // parameters, moments and step counters stay bit-identical
   __shared__ Park8 park;
@@ -687,8 +706,22 @@ __device__ inline void step_tiles8(const AdamWLaunch& L) {
   const int warp = static_cast<int>(threadIdx.x / 32), lane = static_cast<int>(threadIdx.x % 32);
   TileWalk<float>& w = walks[warp];
   UnitTile& tile = tiles[threadIdx.x];
-  const bool has_master = !REM && kIs16Bit<P> && L.master != nullptr;
+  const bool has_master = !REM && kIs16Bit<P> && ch.master;
   const double lr = learning_rate(L.hyper);  // a Tensor lr: one load
+  // Note [8-bit CUDA constants]
+  // The moments' FP32 constants (beta1, 1 - beta1, beta2, 1 - beta2, eps) are launch
+  // constants, and ptxas read each from the constant bank into a uniform register again for
+  // every element (ULDC, 4 to 5 SASS per element of the 8-bit step). Read from shared memory
+  // (volatile: once per tile), they are values the compiler must keep in registers.
+  __shared__ float consts[5];
+  if (threadIdx.x == 0) {
+    consts[0] = L.hyper.beta1_f;
+    consts[1] = L.hyper.one_minus_beta1_f;
+    consts[2] = L.hyper.beta2_f;
+    consts[3] = L.hyper.one_minus_beta2_f;
+    consts[4] = L.hyper.eps_f;
+  }
+  __syncthreads();
   if (lane == 0) w.init(L);
   __syncwarp();
   for (;;) {
@@ -702,7 +735,13 @@ __device__ inline void step_tiles8(const AdamWLaunch& L) {
     }
     __syncwarp();  // ... and sees the new one
     if (!more) break;
-    const StepCoefs<float> c = now.coefs(L, factor_of<float>(d), lr);
+    StepCoefs<float> c = now.coefs(L, factor_of<float>(d), lr);
+    const volatile float* vc = consts;  // Note [8-bit CUDA constants]
+    c.beta1 = vc[0];
+    c.one_minus_beta1 = vc[1];
+    c.beta2 = vc[2];
+    c.one_minus_beta2 = vc[3];
+    c.eps = vc[4];
     const int32_t count = tile.count;
     // 128-bit accesses of elements (16 bytes) and 64-bit accesses of codes: the blocks start
     // at multiples of kBlock8 from these.
@@ -724,26 +763,45 @@ __device__ inline void step_tiles8(const AdamWLaunch& L) {
       for (int32_t kb = whole + warp * kBlock; kb < vt.count; kb += kWarps8 * kBlock) {
         const Tile8<P, G> b = tile8<P, G, true>(L, tile, has_master, kb, &w);
         step_block8<P, G, AMSGRAD, true, REM>(L, c, b.p, b.g, b.master, b.state, b.scale, b.n, park,
-                                              w, tile, kb);
+                                              w, tile, kb, ch);
       }
     } else {
       for (int32_t kb = warp * kBlock; kb < whole; kb += kWarps8 * kBlock) {
         const Tile8<P, G> b = tile8<P, G>(L, tile, has_master, kb);
         step_block8<P, G, AMSGRAD, false, REM>(L, c, b.p, b.g, b.master, b.state, 0, kBlock, park,
-                                               w, tile, kb);
+                                               w, tile, kb, ch);
       }
     }
   }
 }
 
-template <typename P, typename G, bool AMSGRAD, bool REM>
+// The launch-uniform choices of an 8-bit step: master weights, stochastic rounding of the
+// parameters, Adam's L2 term (Note [Weight decay modes]). The direct kernel takes them as
+// template arguments (Choice8), so that its element loop tests none of them (each test was a
+// branch, or a select, per element: docs/performance.md); the edge kernel, which steps few
+// blocks, reads them from the launch (Choice8Of).
+template <bool kMaster, bool kStochastic, bool kL2>
+struct Choice8 {
+  static constexpr bool master = kMaster, stochastic = kStochastic, l2 = kL2;
+};
+
+struct Choice8Of {
+  bool master, stochastic, l2;
+};
+
+__host__ __device__ inline Choice8Of choice8_of(const AdamWLaunch& L) {
+  return {L.master != nullptr, L.rounding == Rounding::kStochastic,
+          L.hyper.l2 && L.hyper.weight_decay != 0.0};
+}
+
+template <typename P, typename G, bool AMSGRAD, bool REM, bool kMaster, bool kStochastic, bool kL2>
 __global__ void __launch_bounds__(kThreads8, kBlocksPerSm8) adamw8_kernel(AdamWLaunch L) {
-  step_tiles8<P, G, AMSGRAD, false, REM>(L);
+  step_tiles8<P, G, AMSGRAD, false, REM>(L, Choice8<kMaster, kStochastic, kL2>{});
 }
 
 template <typename P, typename G, bool AMSGRAD, bool REM>
 __global__ void __launch_bounds__(kThreads8, kBlocksPerSm8) adamw8_edge_kernel(AdamWLaunch L) {
-  step_tiles8<P, G, AMSGRAD, true, REM>(L);
+  step_tiles8<P, G, AMSGRAD, true, REM>(L, choice8_of(L));
 }
 
 template <typename Kernel>
@@ -753,15 +811,35 @@ void launch_tiles8(Kernel kernel, const AdamWLaunch& L, cudaStream_t stream) {
   RUDA_CUDA_CHECK_LAUNCH();
 }
 
+// The direct kernel of the launch's choices (Choice8): only those its parameters can make
+// (master weights: 16-bit parameters without remainders; stochastic rounding: BF16 ones).
+template <typename P, typename G, bool AMSGRAD, bool REM>
+void launch_direct8(const AdamWLaunch& L, cudaStream_t stream) {
+  constexpr bool kCanMaster = kIs16Bit<P> && !REM;
+  constexpr bool kCanRound = std::is_same_v<P, __nv_bfloat16> && !REM;
+  const Choice8Of ch = choice8_of(L);
+  const auto pick = [&](auto master, auto stochastic) {
+    constexpr bool kM = decltype(master)::value, kS = decltype(stochastic)::value;
+    if (ch.l2) return launch_tiles8(adamw8_kernel<P, G, AMSGRAD, REM, kM, kS, true>, L, stream);
+    launch_tiles8(adamw8_kernel<P, G, AMSGRAD, REM, kM, kS, false>, L, stream);
+  };
+  const auto round = [&](auto master) {
+    if (kCanRound && ch.stochastic) return pick(master, std::bool_constant<kCanRound>{});
+    pick(master, std::false_type{});
+  };
+  if (kCanMaster && ch.master) return round(std::bool_constant<kCanMaster>{});
+  round(std::false_type{});
+}
+
 // Both 8-bit kernels read the counters and the old scales of their own blocks only: they
 // step disjoint blocks, in either order.
 template <typename P, typename G, bool REM>
 void launch_8bit(const AdamWLaunch& L, cudaStream_t stream) {
   if (L.amsgrad) {
-    launch_tiles8(adamw8_kernel<P, G, true, REM>, L, stream);
+    launch_direct8<P, G, true, REM>(L, stream);
     if (L.edges8) launch_tiles8(adamw8_edge_kernel<P, G, true, REM>, L, stream);
   } else {
-    launch_tiles8(adamw8_kernel<P, G, false, REM>, L, stream);
+    launch_direct8<P, G, false, REM>(L, stream);
     if (L.edges8) launch_tiles8(adamw8_edge_kernel<P, G, false, REM>, L, stream);
   }
 }

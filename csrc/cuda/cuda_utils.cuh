@@ -116,12 +116,36 @@ __device__ inline void store_vec(float* p, const float* in) {
   }
 }
 
+// The update's operations on the GPU (adamw_element's Ops): ScalarOps, with the FP32 maximum
+// of AMSGrad one max.NaN.f32 (sm_80 and later), where ScalarOps' NaN tests cost a branch per
+// element. The bits stored are the same: a NaN maximum is the canonical NaN here and a NaN
+// with an operand's payload there, and every NaN is stored canonical (Note [Canonical NaN]) or
+// coded alike (8-bit moments); on equal values the two differ only between +0 and -0, which
+// AMSGrad never compares (exp_avg_sq is never -0: beta2 v + (1 - beta2) g g with g g >= +0).
+struct DeviceOps : ScalarOps {
+  template <typename T>
+  __device__ static inline T max(T a, T b) {
+    if constexpr (sizeof(T) == sizeof(float)) {
+#ifdef RUDA_CUDA_SIM
+      if (a != a || b != b) return float_from_bits(kCanonicalNaNBits);
+      return a > b || (a == b && float_bits(a) == 0u) ? a : b;  // +0 above -0, as the hardware
+#else
+      float r;
+      asm("max.NaN.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+      return r;
+#endif
+    } else {
+      return ScalarOps::max(a, b);
+    }
+  }
+};
+
 // Note [8-bit CUDA lanes]
 // Note [8-bit moments] in csrc/quant8.h, on the GPU: one warp codes one block of kBlock8
 // elements, lane l holding its elements 8 l .. 8 l + 7 (kPerLane8 of them), so that a
 // lane reads and writes them with wide accesses (two 128-bit accesses of FP32 values, one
-// of 16-bit values, one 64-bit access of codes) and the block's scale is a butterfly of
-// shuffles (every lane gets it): no barrier or shared memory. The maximum is of the
+// of 16-bit values, one 64-bit access of codes) and the block's scale is one warp reduction
+// (every lane gets it): no barrier or shared memory. The maximum is of the
 // magnitudes' bits, which any order of reduction gives alike: the CPU kernels' scale. A
 // block the lanes cannot access so (the last, shorter block of a tensor, or a tensor view
 // that is not 16-byte aligned) goes through shared memory (Stage8 below): the warp copies
@@ -131,13 +155,10 @@ __device__ inline void store_vec(float* p, const float* in) {
 constexpr int kPerLane8 = static_cast<int>(kBlock8) / 32;
 static_assert(kPerLane8 == 8, "a lane holds 8 elements: two 32-bit words of codes");
 
+// The largest of the warp's 32 values, in every lane: one redux.sync (sm_80 and later) where
+// a butterfly of shuffles took 10 instructions; a maximum is the same in any order.
 __device__ inline uint32_t warp_largest(uint32_t bits) {
-#pragma unroll
-  for (int s = 16; s > 0; s >>= 1) {
-    const uint32_t other = __shfl_xor_sync(0xffffffffu, bits, s);
-    bits = other > bits ? other : bits;
-  }
-  return bits;
+  return __reduce_max_sync(0xffffffffu, bits);
 }
 
 // The 32-bit words of 8 consecutive elements of T (4 or 2 bytes): 8 or 4.
@@ -290,16 +311,17 @@ struct Quarters8 {
     }
   }
 
-  // Element j of quarter h set: an FP32 value's bits, or a 16-bit value's (low half).
+  // Both elements of quarter h of 16-bit values set: element 0's bits in the low half.
+  __device__ inline void set_pair(int h, uint32_t bits) {
+    static_assert(k16, "FP32 values are set one by one");
+    w[h & 1] = bits;
+  }
+
+  // Element j of quarter h of FP32 values set (its bits).
   __device__ inline void set(int h, int j, uint32_t bits) {
-    if constexpr (!k16) {
-      w[j] = bits;
-    } else {
-      // The other half kept: it may be a value not stepped yet.
-      const int s = slot(h, j);
-      w[s / 2] =
-          (s & 1) != 0 ? (w[s / 2] & 0xFFFFu) | (bits << 16) : (w[s / 2] & 0xFFFF0000u) | bits;
-    }
+    static_assert(!k16, "16-bit values are set a pair at a time (set_pair)");
+    (void)h;
+    w[j] = bits;
   }
 };
 
@@ -318,14 +340,16 @@ __device__ inline void stage_copy(T* dst, const T* src, int n, int lane, bool pa
   }
 }
 
-// The largest magnitude (its bits) of a lane's values, for the block's scale.
+// The largest magnitude (its bits) of a lane's values, for the block's scale (`largest`: the
+// bits so far, 0 at first). One max.NaN of the magnitude per value (FMNMX reads |x| as an
+// operand): magnitudes order as their bits do, and a NaN makes the canonical NaN, whose bits
+// are above the infinity's like every NaN magnitude's: the maximum of the bits, where
+// masking and an integer maximum took two instructions.
 __device__ inline uint32_t largest_of(const float* x, int n, uint32_t largest) {
+  float l = __uint_as_float(largest);
 #pragma unroll
-  for (int j = 0; j < n; ++j) {
-    const uint32_t m = magnitude_bits(x[j]);
-    largest = m > largest ? m : largest;
-  }
-  return largest;
+  for (int j = 0; j < n; ++j) l = DeviceOps::max(l, fabsf(x[j]));
+  return __float_as_uint(l);
 }
 
 // The scale of a block whose lanes hold x[0..n): block_scale() of the warp's largest
@@ -355,47 +379,112 @@ __device__ inline uint32_t f16x2_toward_zero(float lo, float hi) {
 #endif
 }
 
-// The FP32 bits of the FP16 in the low 16 bits of h (exact).
-__device__ inline uint32_t f16_to_f32_bits(uint32_t h) {
-  return __float_as_uint(__half2float(__ushort_as_half(static_cast<unsigned short>(h))));
+// Two FP32 values rounded to nearest even as FP16 (kHalf) or BF16, lo's bits in the low
+// half: one conversion for the pair (cvt.rn.f16x2.f32 / cvt.rn.bf16x2.f32, subnormals kept),
+// round_to_half's and round_to_bf16's bits for every value but a NaN. For the canonical NaN
+// (0x7FFFFFFF), the only NaN the kernels round (Note [Canonical NaN]), both give 0x7FFF:
+// its payload's top bits are all ones, and so are those of the NaN the hardware makes.
+template <bool kHalf>
+__device__ inline uint32_t round_pair_nearest16(float lo, float hi) {
+#ifdef RUDA_CUDA_SIM
+  const uint32_t a = float_bits(lo), b = float_bits(hi);
+  if constexpr (kHalf) return round_to_half(a) | (static_cast<uint32_t>(round_to_half(b)) << 16);
+  return round_to_bf16(a) | (static_cast<uint32_t>(round_to_bf16(b)) << 16);
+#else
+  uint32_t d;
+  if constexpr (kHalf) {
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo));
+  } else {
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo));
+  }
+  return d;
+#endif
 }
 
-// The codes of q0 and q1 (|q| <= 1 + 2^-23, finite) in bits 0-7 and 16-23 (Note [8-bit
-// codes through FP16] in csrc/cpu/kernels/quant8_vec.h, two lanes of 16 bits in a
-// register): the pair to FP16 toward zero in one conversion, the last bit of each set
-// where the conversion back lacks its value's bits (rounding to odd), then rounded to
-// nearest even with 6 bits dropped, on both halves at once (no carry crosses: each half
-// stays below 2^16). Encode8's bits (tests/test_cuda_sim.py over every class of value).
-// From the SASS (sm_90, adamw8 p=f32): about 10 instructions per element and moment, the
-// product by the inverse and the packing included, where encode8 took about 15; 8-bit
-// steps 9 (AdamW) to 13 (AMSGrad) instructions per element shorter.
+// Two canonical FP32 values (Note [Canonical NaN]) rounded stochastically to BF16 with the
+// random bits r_lo, r_hi (their low halves), lo's bits in the low half: round_bf16_stochastic's
+// bits by Note [Rounding canonical moments] (csrc/cpu/kernels/adamw_cpu.cpp): the bits, as a
+// signed integer, clamped to 0x7FFF0000 (the canonical NaN alone changes, and rounds to
+// 0x7FFF), plus the random bits; the high halves of the two sums in one byte permutation.
+__device__ inline uint32_t round_pair_stochastic_bf16(float lo, float hi, uint32_t r_lo,
+                                                      uint32_t r_hi) {
+  const int32_t a = min(static_cast<int32_t>(float_bits(lo)), 0x7FFF0000);
+  const int32_t b = min(static_cast<int32_t>(float_bits(hi)), 0x7FFF0000);
+  return __byte_perm(static_cast<uint32_t>(a) + (r_lo & 0xFFFFu),
+                     static_cast<uint32_t>(b) + (r_hi & 0xFFFFu), 0x7632);
+}
+
+// prmt.b32 (default mode) with all 4 bits of each selector nibble: where the nibble's msb is
+// set, that result byte is the selected byte's sign bit replicated. CUDA's __byte_perm reads
+// 3 bits of each nibble and drops it (nvcc folds __byte_perm(x, 0, 0x9180) into
+// __byte_perm(x, 0, 0x1100)), so this one goes through inline PTX.
+__device__ inline uint32_t prmt_msb(uint32_t x, uint32_t y, uint32_t s) {
+#ifdef RUDA_CUDA_SIM
+  return ::ruda_sim::prmt_msb(x, y, s);
+#else
+  uint32_t d;
+  asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(x), "r"(y), "r"(s));
+  return d;
+#endif
+}
+
+// The FP16s in the two halves of h, exactly in FP32: each half converted where it is (one
+// HADD2 each, reading .H0 or .H1 of the register); converting h >> 16 made the compiler
+// extract the high half first, and shift and mask each half apart.
+__device__ inline float2 f16x2_to_f32(uint32_t h) {
+#ifdef RUDA_CUDA_SIM
+  return make_float2(__half2float(__ushort_as_half(static_cast<unsigned short>(h & 0xFFFFu))),
+                     __half2float(__ushort_as_half(static_cast<unsigned short>(h >> 16))));
+#else
+  float lo, hi;
+  asm("{\n\t.reg .f16 l, h;\n\tmov.b32 {l, h}, %2;\n\tcvt.f32.f16 %0, l;\n\tcvt.f32.f16 %1, h;\n\t}"
+      : "=f"(lo), "=f"(hi)
+      : "r"(h));
+  return make_float2(lo, hi);
+#endif
+}
+
+// The codes of a0 and a1 in bits 0-7 and 16-23, from h = f16x2_toward_zero(a0, a1) (Note
+// [8-bit codes through FP16] in csrc/cpu/kernels/quant8_vec.h, two lanes of 16 bits in a
+// register): for unsigned codes a = |q| (|q| <= 1 + 2^-23), for signed ones a = q 2^-8, which
+// puts E3M4 on FP16's layout. The pair in FP16 toward zero (one conversion), the last bit of
+// each set where the conversion back lacks its value's bits (rounding to odd), then rounded
+// to nearest even with 6 bits dropped, on both halves at once (no carry crosses: each half
+// stays below 2^16). Bits 8-15 and 24-31 hold garbage (the other half's low bits, the sign of
+// a signed half), which the packing drops: a signed code's sign is set by sign_codes8.
+// Encode8's bits (tests/test_cuda_sim.py over every class of value).
 template <Code8 kCode>
-__device__ inline uint32_t encode_pair8(float q0, float q1) {
-  float a0, a1;
-  if constexpr (kCode == Code8::kSigned) {  // E3M4 is FP16's layout for q 2^-8 (exact)
-    a0 = q0 * 0.00390625f;
-    a1 = q1 * 0.00390625f;
-  } else {
-    a0 = __uint_as_float(__float_as_uint(q0) & 0x7FFFFFFFu);
-    a1 = __uint_as_float(__float_as_uint(q1) & 0x7FFFFFFFu);
+__device__ inline uint32_t encode_pair8(float a0, float a1, uint32_t h) {
+  const float2 back = f16x2_to_f32(h);
+  h |= (__float_as_uint(back.x) != __float_as_uint(a0) ? 1u : 0u) |
+       (__float_as_uint(back.y) != __float_as_uint(a1) ? 0x10000u : 0u);
+  if constexpr (kCode == Code8::kUnsigned) {
+    // A value that is not zero (h not zero, its sticky bit included) never codes 0: a half
+    // of 1 to 63 (which would code 0 or 1) becomes 64 (which codes 1). Halves are unsigned
+    // 16-bit lanes: min(h, 1) is 1 where the half is not zero.
+    h = __vmaxu2(h, __vminu2(h, 0x00010001u) << 6);
   }
-  uint32_t h = f16x2_toward_zero(a0, a1);
-  h |= (f16_to_f32_bits(h) != __float_as_uint(a0) ? 1u : 0u) |
-       (f16_to_f32_bits(h >> 16) != __float_as_uint(a1) ? 0x10000u : 0u);
-  const uint32_t m = kCode == Code8::kSigned ? h & 0x7FFF7FFFu : h;
-  uint32_t code = ((m + 0x001F001Fu + ((m >> 6) & 0x00010001u)) >> 6) & 0x03FF03FFu;
-  // Bit 15 of a half plus 0x7FFF: whether the half (below 0x8000) is not zero.
-  if constexpr (kCode == Code8::kSigned) {  // the sign where the magnitude is not 0
-    code |= (h >> 8) & (code + 0x7FFF7FFFu) >> 8 & 0x00800080u;
-  } else {  // a value that is not zero (h not zero, its sticky bit included) never codes 0
-    code |= (~(code + 0x7FFF7FFFu) & (h + 0x7FFF7FFFu)) >> 15 & 0x00010001u;
-  }
-  return code;
+  return (h + 0x001F001Fu + ((h >> 6) & 0x00010001u)) >> 6;
+}
+
+// The sign bits of the signed codes in the 4 bytes of w: bit 7 of byte j is the sign of
+// the FP16 in half j % 2 of hs[j / 2] (encode_pair8's inputs), where the byte's magnitude is
+// not 0 (no code of -0; each byte below 0x80, plus 0x7F, reaches bit 7 iff it is not 0).
+__device__ inline uint32_t sign_codes8(uint32_t w, uint32_t h0, uint32_t h1) {
+  const uint32_t signs = __byte_perm(h0, h1, 0x7531);  // the FP16s' high bytes
+  return w | (signs & (w + 0x7F7F7F7Fu) & 0x80808080u);
 }
 
 // A lane's 8 codes of x[j] = its element 8 lane + j, in a block of scale s (from
 // lane_block_scale): two words, byte j the code of x[j]. A block stored as zeros has
 // inverse 0, and 0 codes to 0.
+//
+// Note [8-bit CUDA encode]
+// The product by the inverse gives each code's input in one instruction: |x| inverse
+// (FMUL takes the magnitude of an operand) for unsigned codes, and for signed ones
+// x (inverse 2^-8), exactly q 2^-8 where inverse 2^-8 is a normal FP32 value (a scale up
+// to 2^118, whose inverse is at least 2^-118; a product below 2^-126 codes 0 either way),
+// else (x inverse) 2^-8 as before.
 template <Code8 kCode>
 __device__ inline uint2 encode_lane8(const float* x, float s) {
   const float inverse = block_inverse(s);
@@ -406,25 +495,80 @@ __device__ inline uint2 encode_lane8(const float* x, float s) {
     }
     return make_uint2(w[0], w[1]);
   }
-  uint32_t pairs[kPerLane8 / 2];
+  float a[kPerLane8];
+  if constexpr (kCode == Code8::kUnsigned) {
+#pragma unroll
+    for (int j = 0; j < kPerLane8; ++j) a[j] = fabsf(x[j]) * inverse;
+  } else if (s <= 3.3230699894622794e35f) {  // 2^118: inverse 2^-8 is normal (the warp's branch)
+    const float inverse8 = inverse * 0.00390625f;
+#pragma unroll
+    for (int j = 0; j < kPerLane8; ++j) a[j] = x[j] * inverse8;
+  } else {
+#pragma unroll
+    for (int j = 0; j < kPerLane8; ++j) a[j] = (x[j] * inverse) * 0.00390625f;
+  }
+  uint32_t pairs[kPerLane8 / 2], h[kPerLane8 / 2];
 #pragma unroll
   for (int j = 0; j < kPerLane8; j += 2) {
-    pairs[j / 2] = encode_pair8<kCode>(x[j] * inverse, x[j + 1] * inverse);
+    h[j / 2] = f16x2_toward_zero(a[j], a[j + 1]);
+    pairs[j / 2] = encode_pair8<kCode>(a[j], a[j + 1], h[j / 2]);
   }
   // Bytes 0 and 2 of each pair, in order.
-  return make_uint2(__byte_perm(pairs[0], pairs[1], 0x6420),
-                    __byte_perm(pairs[2], pairs[3], 0x6420));
+  uint32_t w0 = __byte_perm(pairs[0], pairs[1], 0x6420);
+  uint32_t w1 = __byte_perm(pairs[2], pairs[3], 0x6420);
+  if constexpr (kCode == Code8::kSigned) {
+    w0 = sign_codes8(w0, h[0], h[1]);
+    w1 = sign_codes8(w1, h[2], h[3]);
+  }
+  return make_uint2(w0, w1);
 }
 
-// A lane's 8 values of codes c in a block of scale s: dequantize8_scaled's, or in a block
-// with non-finite values (the scale's sign, the warp's branch) dequantize8_special's.
+// Note [8-bit CUDA decode]
+// Two codes at a time through FP16 (the layouts of Note [8-bit codes through FP16]): one
+// byte permutation puts the pair in the two halves of a register, a shift puts each code's
+// exponent and mantissa where an FP16's are, and each half converts exactly to FP32 (HADD2,
+// subnormal codes included). An unsigned code is E4M4 with FP16's bias: the FP16 is its
+// value. A signed one is E3M4: the permutation fills each half's high byte with the code's
+// sign (its msb replicated), the shift takes the sign to bit 15, and a mask clears the
+// copies in bits 13-14 and what crossed into the high half: the FP16 is the code's value
+// times 2^-8, and its product by scale 2^8 (exact for a scale below 2^120; above, the FP16 is
+// multiplied by 2^8 first, exactly) the value times the scale. So decode8(code) * scale, the
+// CPU kernels' bits.
 template <Code8 kCode>
 __device__ inline void decode_lane8(uint2 c, float s, float* x) {
   if (special_block(s)) {
     for (int j = 0; j < kPerLane8; ++j) x[j] = dequantize8_special<kCode>(code_of(c, j), s);
+    return;
+  }
+  float f[kPerLane8];
+#pragma unroll
+  for (int j = 0; j < kPerLane8; j += 2) {
+    const uint32_t word = j < 4 ? c.x : c.y;
+    const uint32_t b = static_cast<uint32_t>(j % 4);  // the pair's first byte in the word
+    uint32_t h;
+    if constexpr (kCode == Code8::kSigned) {
+      // Half i: the code's byte, its sign replicated above it (selector nibble 8 + byte).
+      h = (prmt_msb(word, 0u, b | ((8u | b) << 4) | ((b + 1u) << 8) | ((9u + b) << 12)) << 6) &
+          0x9FC09FFFu;
+    } else {
+      h = __byte_perm(word, 0u, b | (4u << 4) | ((b + 1u) << 8) | (4u << 12)) << 6;
+    }
+    const float2 pair = f16x2_to_f32(h);
+    f[j] = pair.x;
+    f[j + 1] = pair.y;
+  }
+  if constexpr (kCode == Code8::kSigned) {
+    if (s < 1.329227995784916e36f) {  // 2^120: s 2^8 is exact (the warp's branch)
+      const float s8 = s * 256.0f;
+#pragma unroll
+      for (int j = 0; j < kPerLane8; ++j) x[j] = f[j] * s8;
+    } else {
+#pragma unroll
+      for (int j = 0; j < kPerLane8; ++j) x[j] = (f[j] * 256.0f) * s;
+    }
   } else {
 #pragma unroll
-    for (int j = 0; j < kPerLane8; ++j) x[j] = dequantize8_scaled<kCode>(code_of(c, j), s);
+    for (int j = 0; j < kPerLane8; ++j) x[j] = f[j] * s;
   }
 }
 

@@ -1,6 +1,6 @@
 // CUDA kernels of quantize_8bit and dequantize_8bit (Note [8-bit moments] in
-// csrc/quant8.h): a warp codes a block (Note [8-bit CUDA lanes] in csrc/cuda/cuda_utils.cuh);
-// decoding is an element per thread.
+// csrc/quant8.h): a warp codes or decodes a block (Note [8-bit CUDA lanes] in
+// csrc/cuda/cuda_utils.cuh).
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -61,16 +61,41 @@ __global__ void __launch_bounds__(kQuant8Threads)
   }
 }
 
+// A warp per block as quantize8_kernel (lane l its elements 8 l .. 8 l + 7), decoded by
+// decode_lane8, the update kernel's decoder (Note [8-bit CUDA decode] in cuda_utils.cuh):
+// tests/test_cuda_sim.py decodes every code under every kind of scale through it.
 template <Code8 kCode>
 __global__ void __launch_bounds__(kQuant8Threads)
     dequantize8_kernel(const uint8_t* codes, const float* scales, float* out, int64_t n) {
+  __shared__ Quant8Stage stages[kQuant8Warps];
+  const int64_t warps = int64_t(gridDim.x) * kQuant8Warps;
+  const int warp = static_cast<int>(threadIdx.x / 32), lane = static_cast<int>(threadIdx.x % 32);
   const int64_t blocks = (n + kBlock8 - 1) / kBlock8;
-  for (int64_t b = blockIdx.x; b < blocks; b += gridDim.x) {
-    const int64_t k = b * kBlock8 + threadIdx.x;
-    const float s = scales[b];  // static-check: 32-bit (a block's scale)
-    if (k < n) {
-      out[k] = special_block(s) ? dequantize8_special<kCode>(codes[k], s)
-                                : dequantize8_scaled<kCode>(codes[k], s);
+  const bool direct = is_aligned<8>(codes) && is_aligned<4>(out);
+  for (int64_t b = blockIdx.x * int64_t(kQuant8Warps) + warp; b < blocks; b += warps) {
+    const int64_t kb = b * kBlock8;
+    const int count = static_cast<int>(min(kBlock8, n - kb));
+    const bool whole = direct && count == kBlock8;
+    uint2 c;
+    if (whole) {
+      c = __ldca(reinterpret_cast<const uint2*>(codes + kb + 8 * lane));
+    } else {  // zeros past the block's end (decoded, never written)
+      stage_copy(stages[warp].codes, codes + kb, count, lane, true);
+      __syncwarp();
+      c = *reinterpret_cast<const uint2*>(stages[warp].codes + 8 * lane);
+    }
+    float x[kPerLane8];
+    decode_lane8<kCode>(c, scales[b], x);  // static-check: 32-bit (a block's scale)
+    uint32_t words[kPerLane8];
+#pragma unroll
+    for (int j = 0; j < kPerLane8; ++j) words[j] = __float_as_uint(x[j]);
+    if (whole) {
+      store_words8<float, true>(out + kb + 8 * lane, words);
+    } else {
+      store_words8<float, false>(stages[warp].values + 8 * lane, words);
+      __syncwarp();
+      stage_copy(out + kb, stages[warp].values, count, lane, false);
+      __syncwarp();  // the stages are read before the warp's next block writes them
     }
   }
 }
@@ -101,9 +126,11 @@ void dequantize_8bit_cuda(const Quant8Launch& L, void* stream) {
   const uint8_t* codes = L.codes;
   const float* scales = L.scales;
   if (static_cast<Code8>(L.code) == Code8::kSigned) {
-    launch_quant8(dequantize8_kernel<Code8::kSigned>, 1, L.n, stream, codes, scales, L.out);
+    launch_quant8(dequantize8_kernel<Code8::kSigned>, kQuant8Warps, L.n, stream, codes, scales,
+                  L.out);
   } else {
-    launch_quant8(dequantize8_kernel<Code8::kUnsigned>, 1, L.n, stream, codes, scales, L.out);
+    launch_quant8(dequantize8_kernel<Code8::kUnsigned>, kQuant8Warps, L.n, stream, codes, scales,
+                  L.out);
   }
 }
 

@@ -25,9 +25,9 @@
 //   - kConcurrent: all threads run at once with std::barrier, for ThreadSanitizer, which
 //     reports a shared-memory access that no barrier orders (tools/cuda_sim_check.sh).
 //   `__syncthreads()` is a barrier of the block's threads, `__syncwarp()` one of the warp's
-//   lanes; `__shfl_down_sync` and `__shfl_xor_sync` a warp exchange (each lane publishes its value,
-//   the 32 lanes meet, each reads lane + delta, they meet again): what the kernels rely on
-//   (full-warp masks, warp-uniform calls).
+//   lanes; `__shfl_down_sync`, `__shfl_xor_sync` and `__reduce_max_sync` a warp exchange (each
+//   lane publishes its value, the 32 lanes meet, each reads lane + delta, or all of them, they
+//   meet again): what the kernels rely on (full-warp masks, warp-uniform calls).
 // * Arithmetic is the host's IEEE FP32/FP64 without contraction (-ffp-contract=off):
 //   what nvcc's --fmad=false -prec-div=true -prec-sqrt=true gives (Note [No FMA
 //   contraction] in setup.py). FP16/BF16 conversions are integer operations on the bits.
@@ -102,7 +102,8 @@ inline float __uint_as_float(uint32_t b) {
 }
 
 // __byte_perm(x, y, s): byte n of the result is byte s[4n+2 : 4n] of the 8 bytes {y, x}
-// (x the low 4), as prmt.b32's default mode.
+// (x the low 4): CUDA's intrinsic reads 3 bits of each selector nibble (nvcc folds
+// __byte_perm(x, 0, 0x9180) into __byte_perm(x, 0, 0x1100)).
 inline uint32_t __byte_perm(uint32_t x, uint32_t y, uint32_t s) {
   const uint64_t v = (static_cast<uint64_t>(y) << 32) | x;
   uint32_t r = 0;
@@ -110,6 +111,30 @@ inline uint32_t __byte_perm(uint32_t x, uint32_t y, uint32_t s) {
     r |= static_cast<uint32_t>((v >> (8 * ((s >> (4 * n)) & 7u))) & 0xFFu) << (8 * n);
   }
   return r;
+}
+
+namespace ruda_sim {
+// prmt.b32 in its default mode, all 4 bits of each selector nibble: where s[4n+3] is set,
+// byte n of the result is the selected byte's sign bit in all 8 bits (what __byte_perm drops).
+inline uint32_t prmt_msb(uint32_t x, uint32_t y, uint32_t s) {
+  const uint64_t v = (static_cast<uint64_t>(y) << 32) | x;
+  uint32_t r = 0;
+  for (int n = 0; n < 4; ++n) {
+    const uint32_t nibble = (s >> (4 * n)) & 0xFu;
+    uint32_t byte = static_cast<uint32_t>((v >> (8 * (nibble & 7u))) & 0xFFu);
+    if ((nibble & 8u) != 0) byte = (byte & 0x80u) != 0 ? 0xFFu : 0u;
+    r |= byte << (8 * n);
+  }
+  return r;
+}
+}  // namespace ruda_sim
+
+// __vminu2, __vmaxu2: the minimum and maximum of the two unsigned 16-bit halves, half by half.
+inline uint32_t __vminu2(uint32_t a, uint32_t b) {
+  return std::min(a & 0xFFFFu, b & 0xFFFFu) | (std::min(a >> 16, b >> 16) << 16);
+}
+inline uint32_t __vmaxu2(uint32_t a, uint32_t b) {
+  return std::max(a & 0xFFFFu, b & 0xFFFFu) | (std::max(a >> 16, b >> 16) << 16);
 }
 inline double __longlong_as_double(long long b) {
   double x;
@@ -355,6 +380,26 @@ inline T shfl_xor(T v, unsigned lane_mask) {
   return shfl(v, [lane_mask](int lane) { return lane ^ static_cast<int>(lane_mask); });
 }
 
+// __reduce_max_sync (redux.sync.max.u32): the largest value of the warp's lanes, in every
+// lane. Each lane publishes v, the lanes meet, each reads them all, they meet again.
+inline uint32_t reduce_max(uint32_t v) {
+  ThreadCtx& c = ctx();
+  Block& b = *c.block;
+  float bits;
+  std::memcpy(&bits, &v, sizeof(bits));
+  b.slots[c.tid] = bits;
+  b.sync_warp(c.tid);
+  const int first = c.tid - c.tid % kWarp;
+  uint32_t out = 0u;
+  for (int i = first; i < first + b.warp_size(c.tid / kWarp); ++i) {
+    uint32_t x;
+    std::memcpy(&x, &b.slots[i], sizeof(x));
+    out = std::max(out, x);
+  }
+  b.sync_warp(c.tid);
+  return out;
+}
+
 }  // namespace ruda_sim
 
 #define threadIdx (::ruda_sim::ctx().thread_idx)
@@ -385,6 +430,11 @@ template <typename T>
 inline T __shfl_xor_sync(unsigned mask, T v, unsigned lane_mask) {
   if (mask != 0xffffffffu) throw std::logic_error("the emulation shuffles full warps only");
   return ::ruda_sim::shfl_xor(v, lane_mask);
+}
+
+inline unsigned __reduce_max_sync(unsigned mask, unsigned v) {
+  if (mask != 0xffffffffu) throw std::logic_error("the emulation reduces full warps only");
+  return ::ruda_sim::reduce_max(v);
 }
 
 inline cudaError_t cudaDeviceGetAttribute(int* value, cudaDeviceAttr attr, int) {
