@@ -173,6 +173,28 @@ your environment:
 A CPU-only torch builds the CPU kernels only (docs/building.md)."""
 
 
+# The CUDA kernels use instructions of compute capability 8.0 and later (cvt.rz.f16x2.f32 and
+# cvt.rn.bf16x2.f32, redux.sync, max.NaN.f32): an older target fails in ptxas with a message
+# that names an instruction, not the setting; this names the setting. torch's named targets
+# as it expands them (torch.utils.cpp_extension).
+_OLD_ARCH_NAMES = ("kepler", "maxwell", "pascal", "volta", "turing")
+
+
+def too_old_archs(arch_list):
+    """The entries of a TORCH_CUDA_ARCH_LIST value below compute capability 8.0."""
+    out = []
+    for entry in re.split(r"[;\s]+", arch_list.strip()):
+        if not entry:
+            continue
+        m = re.match(r"(\d+)\.(\d+)", entry)
+        if m:
+            if (int(m.group(1)), int(m.group(2))) < (8, 0):
+                out.append(entry)
+        elif entry.lower().startswith(_OLD_ARCH_NAMES):
+            out.append(entry)
+    return out
+
+
 def main():
     try:
         import torch
@@ -205,6 +227,21 @@ def main():
             # With no visible GPU torch cannot pick an architecture and cpp_extension fails
             # with an IndexError; Hopper (H100/H200) is the default target.
             os.environ["TORCH_CUDA_ARCH_LIST"] = "9.0"
+        archs = os.environ.get("TORCH_CUDA_ARCH_LIST")
+        if archs:
+            old = too_old_archs(archs)
+            where = f"TORCH_CUDA_ARCH_LIST={archs!r} asks for"
+        else:  # torch builds for the visible GPUs
+            n = torch.cuda.device_count()
+            caps = sorted({torch.cuda.get_device_capability(i) for i in range(n)})
+            old = [f"{a}.{b}" for a, b in caps if (a, b) < (8, 0)]
+            where = "a visible GPU is"
+        if old:
+            sys.exit(
+                f"{where} compute capability {', '.join(old)}: the CUDA kernels need 8.0 or "
+                'later (Ampere, Ada, Hopper). Set TORCH_CUDA_ARCH_LIST to those (e.g. "8.0;9.0"), '
+                "or RUDA_TORCH_CUDA=0 to build the CPU kernels only."
+            )
         _log(
             f"building CPU and CUDA kernels (CUDA_HOME={cuda_home}, "
             f"TORCH_CUDA_ARCH_LIST={os.environ.get('TORCH_CUDA_ARCH_LIST', '<from GPU>')})"
