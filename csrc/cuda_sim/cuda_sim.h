@@ -346,12 +346,12 @@ inline void launch(unsigned grid, unsigned threads, const std::function<void()>&
   }
 }
 
-// A warp exchange: each lane publishes v, the lanes meet, each reads the value of lane
-// source(lane), or keeps its own where that is past the warp (as the hardware returns
-// it), and they meet again.
-template <typename T, typename Source>
-inline T shfl(T v, Source source) {
-  static_assert(sizeof(T) == sizeof(float), "the kernels shuffle 32-bit values");
+// A warp exchange: each lane publishes v, the lanes meet, `read` makes each lane's result
+// from the warp's published values (its first slot, the warp's size, the lane, the lane's
+// own v), and they meet again.
+template <typename T, typename Read>
+inline T exchange(T v, Read read) {
+  static_assert(sizeof(T) == sizeof(float), "the kernels exchange 32-bit values");
   ThreadCtx& c = ctx();
   Block& b = *c.block;
   float bits;
@@ -359,13 +359,21 @@ inline T shfl(T v, Source source) {
   b.slots[c.tid] = bits;
   b.sync_warp(c.tid);
   const int lane = c.tid % kWarp;
-  const int w = c.tid / kWarp;
-  const int from = source(lane);
-  T out = v;
-  if (from >= 0 && from < b.warp_size(w))
-    std::memcpy(&out, &b.slots[c.tid - lane + from], sizeof(out));
+  const T out = read(&b.slots[c.tid - lane], b.warp_size(c.tid / kWarp), lane, v);
   b.sync_warp(c.tid);
   return out;
+}
+
+// A shuffle: the value of lane source(lane), or the lane's own where that is past the warp
+// (as the hardware returns it).
+template <typename T, typename Source>
+inline T shfl(T v, Source source) {
+  return exchange(v, [&source](const float* warp, int n, int lane, T own) {
+    const int from = source(lane);
+    T out = own;
+    if (from >= 0 && from < n) std::memcpy(&out, &warp[from], sizeof(out));
+    return out;
+  });
 }
 
 // __shfl_down_sync: lane + delta's value.
@@ -381,23 +389,17 @@ inline T shfl_xor(T v, unsigned lane_mask) {
 }
 
 // __reduce_max_sync (redux.sync.max.u32): the largest value of the warp's lanes, in every
-// lane. Each lane publishes v, the lanes meet, each reads them all, they meet again.
+// lane.
 inline uint32_t reduce_max(uint32_t v) {
-  ThreadCtx& c = ctx();
-  Block& b = *c.block;
-  float bits;
-  std::memcpy(&bits, &v, sizeof(bits));
-  b.slots[c.tid] = bits;
-  b.sync_warp(c.tid);
-  const int first = c.tid - c.tid % kWarp;
-  uint32_t out = 0u;
-  for (int i = first; i < first + b.warp_size(c.tid / kWarp); ++i) {
-    uint32_t x;
-    std::memcpy(&x, &b.slots[i], sizeof(x));
-    out = std::max(out, x);
-  }
-  b.sync_warp(c.tid);
-  return out;
+  return exchange(v, [](const float* warp, int n, int, uint32_t) {
+    uint32_t out = 0u;
+    for (int i = 0; i < n; ++i) {
+      uint32_t x;
+      std::memcpy(&x, &warp[i], sizeof(x));
+      out = std::max(out, x);
+    }
+    return out;
+  });
 }
 
 }  // namespace ruda_sim
