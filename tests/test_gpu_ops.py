@@ -797,6 +797,80 @@ def test_quantize_8bit_cuda_matches_cpu_bitwise(code, numel):
     assert torch.equal(gpu_decoded.view(torch.int32), decoded.view(torch.int32))
 
 
+@pytest.mark.parametrize("code", ops.CODES_8BIT)
+def test_quantize_8bit_every_class_of_value_cuda_matches_cpu(code):
+    """The GPU codec (Note [8-bit CUDA encode]: pairs through FP16 toward zero, rounding to
+    odd, the signed codes' signs four at a time) on every class of value the codec rounds
+    differently (tests/test_cpu_isa.py's inputs): the CPU's codes, scales and decoded values."""
+    from test_cpu_isa import _codec_inputs
+
+    x = _codec_inputs(code)
+    codes, scales = ops.quantize_8bit(x, code)
+    gpu_codes, gpu_scales = ops.quantize_8bit(x.cuda(), code)
+    assert torch.equal(gpu_codes.cpu(), codes)
+    assert same_bits(gpu_scales.cpu(), scales)
+    gpu_decoded = ops.dequantize_8bit(gpu_codes, gpu_scales, code).cpu()
+    assert same_bits(gpu_decoded, ops.dequantize_8bit(codes, scales, code))
+
+
+@pytest.mark.parametrize("code", ops.CODES_8BIT)
+def test_dequantize_every_code_cuda_matches_cpu(code):
+    """All 256 codes of each kind under every kind of scale decoded on the GPU (Note [8-bit
+    CUDA decode]: two codes through FP16, the signed ones by a sign-replicating prmt, the
+    product by scale 2^8 below 2^120) as on the CPU, bit for bit; where a scale is a NaN
+    (which no step writes) both decode NaN, the GPU's with its own canonical payload."""
+    below = torch.tensor(2.0**120).view(torch.int32).sub(1).view(torch.float32).item()
+    scales = torch.tensor([1.0, 3.0e38, 1.5e-38, 0.0, 7.25e-3, 2.0**-100, -1.0, -3.0e38, -0.0,
+                           -7.25e-3, float("nan"), -float("nan"), 2.0**120, below, 2.0**119,
+                           -(2.0**120), 1e-45])  # fmt: skip
+    codes = torch.arange(256, dtype=torch.uint8).repeat(scales.numel())
+    cpu = ops.dequantize_8bit(codes, scales, code)
+    gpu = ops.dequantize_8bit(codes.cuda(), scales.cuda(), code).cpu()
+    nan = cpu.isnan()
+    assert torch.equal(gpu.isnan(), nan)
+    assert same_bits(gpu[~nan], cpu[~nan])
+
+
+@pytest.mark.parametrize(
+    "param_dtype,amsgrad,master,stochastic",
+    [(torch.bfloat16, True, False, True), (torch.bfloat16, False, False, False),
+     (torch.float16, True, False, False), (torch.bfloat16, False, True, False)],
+    ids=["bf16-amsgrad-stochastic", "bf16", "fp16-amsgrad", "bf16-master"],
+)  # fmt: skip
+def test_adamw_8bit_cuda_special_values_match_cpu_bitwise(param_dtype, amsgrad, master,
+                                                          stochastic):  # fmt: skip
+    """16-bit parameters with 8-bit moments on the GPU, each launch-uniform choice a kernel of
+    its own (Choice8), the parameters rounded a pair at a time (cvt.rn.bf16x2/f16x2, the
+    stochastic canonical clamp): +-inf, NaN, subnormal and -0 parameters in both halves of
+    pairs, overflowing and subnormal gradients (special blocks), against the CPU's bits."""
+    from test_quant8 import STEP_SIZES, _bucket_8bit, _extreme_grads, _step
+
+    params, grads, state, _ = _bucket_8bit(STEP_SIZES, amsgrad, param_dtype, master=master)
+    grads = _extreme_grads(
+        grads, 1, param_dtype if param_dtype == torch.bfloat16 else torch.float32
+    )
+    grads = [g.to(param_dtype) for g in grads]
+    if not master:
+        specials = torch.tensor([float("inf"), -float("inf"), float("nan"), 1e-40, -0.0])
+        for p in params:  # each value at an even and an odd element
+            for first in (1, 2)[: max(0, p.numel() - 1)]:
+                at = torch.arange(first, p.numel(), 7)[: specials.numel()]
+                p[at] = specials[: at.numel()].to(param_dtype)
+    gpu_params = [p.cuda() for p in params]
+    gpu_grads = [g.cuda() for g in grads]
+    gpu_state = {k: (v.cuda() if isinstance(v, torch.Tensor) and k != "slots" else v)
+                 for k, v in state.items()}  # fmt: skip
+    kw = dict(stochastic_rounding=stochastic, seed=11)
+    for _ in range(2):
+        _step(params, grads, state, **kw)
+        _step(gpu_params, gpu_grads, gpu_state, **kw)
+    for p, q in zip(params, gpu_params, strict=True):
+        assert same_bits(q.cpu(), p)
+    for key, value in state.items():
+        if isinstance(value, torch.Tensor):
+            assert same_bits(gpu_state[key].cpu(), value), key
+
+
 @pytest.mark.parametrize("amsgrad", [False, True], ids=["adamw", "amsgrad"])
 @pytest.mark.parametrize(
     "param_dtype,master",

@@ -811,8 +811,9 @@ void launch_tiles8(Kernel kernel, const AdamWLaunch& L, cudaStream_t stream) {
   RUDA_CUDA_CHECK_LAUNCH();
 }
 
-// The direct kernel of the launch's choices (Choice8): only those its parameters can make
-// (master weights: 16-bit parameters without remainders; stochastic rounding: BF16 ones).
+// The direct kernel of the launch's choices (Choice8): only those its parameters can make.
+// Master weights: 16-bit parameters without remainders; stochastic rounding: BF16 ones
+// without master weights (csrc/bindings.cpp refuses stochastic rounding with them).
 template <typename P, typename G, bool AMSGRAD, bool REM>
 void launch_direct8(const AdamWLaunch& L, cudaStream_t stream) {
   constexpr bool kCanMaster = kIs16Bit<P> && !REM;
@@ -823,12 +824,9 @@ void launch_direct8(const AdamWLaunch& L, cudaStream_t stream) {
     if (ch.l2) return launch_tiles8(adamw8_kernel<P, G, AMSGRAD, REM, kM, kS, true>, L, stream);
     launch_tiles8(adamw8_kernel<P, G, AMSGRAD, REM, kM, kS, false>, L, stream);
   };
-  const auto round = [&](auto master) {
-    if (kCanRound && ch.stochastic) return pick(master, std::bool_constant<kCanRound>{});
-    pick(master, std::false_type{});
-  };
-  if (kCanMaster && ch.master) return round(std::bool_constant<kCanMaster>{});
-  round(std::false_type{});
+  if (kCanMaster && ch.master) return pick(std::bool_constant<kCanMaster>{}, std::false_type{});
+  if (kCanRound && ch.stochastic) return pick(std::false_type{}, std::bool_constant<kCanRound>{});
+  pick(std::false_type{}, std::false_type{});
 }
 
 // Both 8-bit kernels read the counters and the old scales of their own blocks only: they
