@@ -374,20 +374,6 @@ RUDA_HOST_DEVICE inline uint16_t round_param(float x, Rounding rounding, uint32_
   return round_nearest16<IS_HALF>(bits);
 }
 
-// round_param with the index's random bits in two parts (rounding_high of the key and
-// index, the index's low 32 bits): the same bits.
-template <bool IS_HALF>
-RUDA_HOST_DEVICE inline uint16_t round_param_split(float x, Rounding rounding, uint32_t high,
-                                                   uint32_t low) {
-  const uint32_t bits = float_bits(x);
-  if constexpr (!IS_HALF) {
-    if (rounding == Rounding::kStochastic) {
-      return round_bf16_stochastic(bits, rounding_mix(high, low));
-    }
-  }
-  return round_nearest16<IS_HALF>(bits);
-}
-
 // Note [Low-precision states]
 // state_precision="bf16" (ruda_torch/optimizer.py) keeps exp_avg, exp_avg_sq and
 // max_exp_avg_sq in BF16: 2 bytes per moment instead of 4. A step widens each stored

@@ -199,33 +199,6 @@ __device__ inline void store_words8(T* p, const uint32_t* w) {
   }
 }
 
-// Four FP32 values (words) with one 128-bit store, to global memory (16-byte aligned) or
-// to shared memory.
-__device__ inline void store_words8_half(float* p, const uint32_t* w) {
-  __stwb(reinterpret_cast<uint4*>(p), make_uint4(w[0], w[1], w[2], w[3]));
-}
-
-__device__ inline void store_words8_half_shared(float* p, const uint32_t* w) {
-  *reinterpret_cast<uint4*>(p) = make_uint4(w[0], w[1], w[2], w[3]);
-}
-
-// Element j of 8 held as words (load_words8): its bits (16-bit types) and its value.
-template <typename T>
-__device__ inline uint16_t bits16_of(const uint32_t* w, int j) {
-  return static_cast<uint16_t>((j & 1) != 0 ? w[j / 2] >> 16 : w[j / 2] & 0xFFFFu);
-}
-
-template <typename T>
-__device__ inline float value_of(const uint32_t* w, int j) {
-  if constexpr (sizeof(T) == 4) {
-    return __uint_as_float(w[j]);
-  } else if constexpr (std::is_same_v<T, __nv_bfloat16>) {  // the bits in the top half
-    return __uint_as_float((j & 1) != 0 ? w[j / 2] & 0xFFFF0000u : w[j / 2] << 16);
-  } else {
-    return to_float(bits_as<T>(bits16_of<T>(w, j)));
-  }
-}
-
 // A lane's 8 elements of T (Note [8-bit CUDA lanes]) stepped a quarter (2 elements) at a
 // time, held as 32-bit words with 64-bit accesses: FP32 values a quarter per access, loaded
 // before the quarter and stored after it; 16-bit values a half (4) per access, loaded before
