@@ -129,9 +129,38 @@ def backward(model: Net, step: int, scaler=None) -> torch.Tensor:
     return loss
 
 
-def copy_grads(src: nn.Module, dst: nn.Module) -> None:
-    for ps, pd in zip(src.parameters(), dst.parameters(), strict=True):
-        pd.grad = None if ps.grad is None else ps.grad.detach().clone()
+# Note [Twins share gradients]
+# Runs compared with each other (ours against torch's, a resumed run against the one it
+# was saved from, one layout or option against another) step from the same gradients:
+# computed once, by one model's backward, and copied into the other models' gradients,
+# never recomputed by a twin's own backward. That backward is another computation: through
+# another layout or dtype of a parameter (a transposed one, a BF16 matmul), or from
+# parameters a few ulps apart, the CPU's matmul kernels may round differently, and on some
+# machines do (a BF16 weight's gradient 6e-5 apart through the other layout of a parameter
+# beside it, on AMD Zen 3), so that a bit-for-bit comparison would test the machine's BLAS
+# instead of the optimizer. copy_grads asserts what it promises: the same bits.
+def copy_grads(src, dst) -> None:
+    """Give the parameters of ``dst`` (a module or a list of parameters) the gradients of
+    ``src``'s, bit for bit (Note [Twins share gradients]): copied into ``dst``'s own
+    gradient tensor where it has one of the same shape and dtype (a flat gradient view
+    stays a view, a layout stays), else into a new one laid out like the parameter; None
+    where ``src`` has none."""
+    sources, targets = _params_of(src), _params_of(dst)
+    for j, (ps, pd) in enumerate(zip(sources, targets, strict=True)):
+        if ps.grad is None:
+            pd.grad = None
+            continue
+        g = ps.grad.detach()
+        if pd.grad is not None and pd.grad.shape == g.shape and pd.grad.dtype == g.dtype:
+            with torch.no_grad():
+                pd.grad.copy_(g)
+        else:
+            pd.grad = torch.empty_like(pd, dtype=g.dtype).copy_(g)
+        assert_bitwise(pd.grad, g, f"the twin's gradient of parameter {j}")
+
+
+def _params_of(models) -> list:
+    return list(models.parameters()) if isinstance(models, nn.Module) else list(models)
 
 
 def train_pairs(pairs, steps) -> None:

@@ -3,7 +3,11 @@ is a view of its bucket's flat gradient buffer, which backward accumulates into.
 
 The reference is the same optimizer with flat_grads=False, bit for bit (the kernel and
 its inputs are the same, only where the gradients live differs), and torch.optim.AdamW
-within the optimizer-level tolerance for which parameters step and how. Gradients reach
+within the optimizer-level tolerance for which parameters step and how. The flat and the
+plain twin each run their own backward, on purpose: where backward writes is what is
+tested, and theirs is the same computation (the same model, layout, dtype and parameter
+bits), whose gradients are asserted the same bits (assert_same_grads); torch's twin steps
+from copies of the plain twin's (Note [Twins share gradients] in tests/optim_harness.py). Gradients reach
 the views the ways users reach them: backward (with accumulation), an in-place write,
 and everything that replaces them (an assigned p.grad, p.grad = None,
 model.zero_grad(), p.grad.data = ..., p.data = ...), which the step must notice.
@@ -25,8 +29,10 @@ from optim_harness import (
     TORCH_DEFAULTS,
     VS_TORCH,
     Net,
+    assert_bitwise,
     assert_matches_torch,
     batch,
+    copy_grads,
     make_torch,
     split_groups,
     uses_extra,
@@ -49,6 +55,24 @@ def train_step(model: Net, opt, step: int, *, set_to_none: bool = True, micro: i
     opt.zero_grad(set_to_none=set_to_none)
     for k in range(micro):
         model.loss(batch(step) + k, uses_extra(step)).backward()
+    opt.step()
+
+
+def assert_same_grads(flat_model: Net, plain_model: Net, what: str = "") -> None:
+    """The flat twin's gradients are the plain twin's bits, a view that backward did not
+    reach (zeros) standing for a None gradient."""
+    for j, (pf, pn) in enumerate(zip(flat_model.parameters(), plain_model.parameters(),
+                                     strict=True)):  # fmt: skip
+        if pn.grad is None:
+            assert pf.grad is None or not pf.grad.view(torch.int32).any(), f"{what} grad {j}"
+        else:
+            assert_bitwise(pf.grad, pn.grad, f"{what} grad {j}")
+
+
+def torch_step(source: Net, model: Net, opt) -> None:
+    """torch's twin steps from copies of ``source``'s gradients."""
+    opt.zero_grad()
+    copy_grads(source, model)
     opt.step()
 
 
@@ -77,8 +101,10 @@ def test_training_loop_matches_flat_grads_false_and_torch(case):
     mf, mn, mt = Net(), Net(), Net()
     flat, plain, theirs = make(mf, case, True), make(mn, case, False), make_torch(mt, case)
     for step in range(1, 11):
-        for model, opt in ((mf, flat), (mn, plain), (mt, theirs)):
+        for model, opt in ((mf, flat), (mn, plain)):
             train_step(model, opt, step)
+        assert_same_grads(mf, mn, f"step {step}")
+        torch_step(mn, mt, theirs)
         assert_same(flat, plain, f"step {step}")
         assert_matches_torch(flat, theirs, VS_TORCH, f"step {step}")
         assert views_installed(flat)
@@ -88,12 +114,14 @@ def test_training_loop_matches_flat_grads_false_and_torch(case):
 def test_zero_grad_keep_zeros_steps_every_parameter_as_torch():
     """zero_grad(set_to_none=False): torch keeps zero gradients, which step (moments
     decay, weight decay applies) even where backward wrote nothing; so do the views."""
-    mf, mt = Net(), Net()
+    mf, mn, mt = Net(), Net(), Net()
     case = CASES[0]
-    flat, theirs = make(mf, case, True), make_torch(mt, case)
+    flat, plain, theirs = make(mf, case, True), make(mn, case, False), make_torch(mt, case)
     for step in range(1, 8):
-        for model, opt in ((mf, flat), (mt, theirs)):
+        for model, opt in ((mf, flat), (mn, plain)):
             train_step(model, opt, step, set_to_none=False)
+        assert_same_grads(mf, mn, f"step {step}")
+        torch_step(mn, mt, theirs)  # zeros kept where plain's are, None where never made
         assert_matches_torch(flat, theirs, VS_TORCH, f"step {step}")
     # extra had no gradient at step 1 (never a tensor in torch: no state), then zeros.
     assert theirs.state[mt.extra]["step"].item() == flat.state[mf.extra]["step"].item() == 6
@@ -106,6 +134,7 @@ def test_gradient_accumulation_into_the_views():
     for step in range(1, 7):
         train_step(mf, flat, step, micro=3)
         train_step(mn, plain, step, micro=3)
+        assert_same_grads(mf, mn, f"step {step}")
         assert_same(flat, plain, f"step {step}")
 
 

@@ -17,6 +17,7 @@ import io
 import numpy as np
 import pytest
 import torch
+from optim_harness import copy_grads
 from test_ops import same_bits, seed_of
 
 import ruda_torch
@@ -223,16 +224,25 @@ class _Net(torch.nn.Module):
         return self.b(torch.tanh(self.a(x.to(self.a.weight.dtype))))
 
 
-def _train(model, opt, steps, start=0, scaler=None):
+def _train(model, opt, steps, start=0, twin=None, scaler=None):
+    """``steps`` steps of ``opt``; ``twin``: a (model, optimizer) pair stepped beside it
+    from the same gradients, unscaled where ``scaler`` scales ``model``'s (Note [Twins
+    share gradients] in tests/optim_harness.py; a power-of-two scale divides exactly)."""
     for s in range(start, start + steps):
         x = torch.randn(16, 33, generator=torch.Generator().manual_seed(s))
         opt.zero_grad()
         loss = model(x).float().pow(2).mean()
+        (loss if scaler is None else scaler.scale(loss)).backward()
+        if twin is not None:
+            twin[1].zero_grad()
+            copy_grads(model, twin[0])
+            if scaler is not None:
+                for p in twin[0].parameters():
+                    p.grad /= scaler.get_scale()
+            twin[1].step()
         if scaler is None:
-            loss.backward()
             opt.step()
         else:
-            scaler.scale(loss).backward()
             scaler.step(opt)
             scaler.update()
 
@@ -278,8 +288,7 @@ def test_checkpoint_resumes_bit_for_bit_through_torch_save():
     topt = _make(twin, amsgrad=True, rounding_seed=11)
     topt.load_state_dict(ck["opt"])
     assert next(iter(ck["opt"]["state"].values()))["exp_avg"].dtype == torch.bfloat16
-    _train(model, opt, 5, start=5)
-    _train(twin, topt, 5, start=5)
+    _train(model, opt, 5, start=5, twin=(twin, topt))
     _assert_same_model(model, twin)
     for p, q in zip(model.parameters(), twin.parameters(), strict=True):
         for k in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq"):
@@ -336,8 +345,7 @@ def test_flat_grads_give_the_bits_of_gathered_grads(dtype):
     a, b = _Net(dtype), _Net(dtype)
     kw = dict(master_weights=dtype == torch.bfloat16, max_grad_norm=0.5, hierarchical_stats=True)
     oa, ob = _make(a, flat_grads=True, **kw), _make(b, **kw)
-    _train(a, oa, 6)
-    _train(b, ob, 6)
+    _train(a, oa, 6, twin=(b, ob))
     _assert_same_model(a, b)
 
 
@@ -345,9 +353,9 @@ def test_grad_scaler_steps_match_unscaled_steps():
     a, b = _Net(), _Net()
     oa, ob = _make(a), _make(b)
     scaler = ruda_torch.amp.GradScaler("cpu", init_scale=1024.0)
-    _train(a, oa, 4, scaler=scaler)
-    _train(b, ob, 4)
-    _assert_same_model(a, b)  # a power-of-two scale divides exactly
+    _train(a, oa, 4, twin=(b, ob), scaler=scaler)
+    assert scaler.get_scale() == 1024.0  # no step was skipped
+    _assert_same_model(a, b)
 
 
 def test_changing_state_precision_converts_the_state():
@@ -374,9 +382,9 @@ def test_compiled_step_gives_eager_bits():
     compiled = torch.compile(oa.step)
     for s in range(4):
         x = torch.randn(16, 33, generator=torch.Generator().manual_seed(s))
-        for model, opt in ((a, oa), (b, ob)):
-            opt.zero_grad()
-            model(x).pow(2).mean().backward()
+        oa.zero_grad()
+        a(x).pow(2).mean().backward()
+        copy_grads(a, b)  # Note [Twins share gradients] in tests/optim_harness.py
         compiled()
         ob.step()
     _assert_same_model(a, b)
