@@ -8,9 +8,8 @@ from collections.abc import Mapping
 
 import torch
 
-from . import ops
 from ._common import STATE_KEYS, codes_key, local, scales_key
-from ._state8bit import decoded_pair
+from ._state8bit import accepted_shapes, decoded_pair, scales_layouts
 
 # Note [Checkpoint templates]
 # DCP loads a checkpoint into the tensors of the state dict it is given, read by name and
@@ -74,7 +73,9 @@ def _form(keys, name: str, key: str) -> str | None:
 
 
 def _match_moment(entry: dict, prefix: str, key: str, saved: dict) -> None:
-    """Entry ``entry`` (at DCP key ``prefix``) := moment ``key`` in the checkpoint's form."""
+    """Entry ``entry`` (at DCP key ``prefix``) := moment ``key`` in the checkpoint's form;
+    a checkpoint pair whose shapes are no format's (Note [8-bit entry formats] in
+    ruda_torch/_state8bit.py) is refused, naming its key."""
     mine, theirs = _form(entry, "", key), _form(saved, prefix, key)
     if mine is None or theirs is None or (mine == theirs == "values"):
         return
@@ -88,17 +89,48 @@ def _match_moment(entry: dict, prefix: str, key: str, saved: dict) -> None:
         del entry[ck], entry[sk]
         return
     cmd, smd = saved[prefix + ck], saved[prefix + sk]
-    scales = tuple(smd.size)
-    if mine == "8bit" and scales == tuple(entry[sk].shape):
-        return  # the same pair
-    if scales == ops.scales_shape_8bit(tuple(cmd.size)):  # the rows' blocks, read whole
-        codes, scales_t = _whole(like, cmd), _whole(like, smd)
+    if tuple(cmd.size) != tuple(like.shape) or cmd.properties.dtype != torch.uint8:
+        raise ValueError(
+            f"match_checkpoint: the checkpoint's {prefix + ck!r} is {cmd.properties.dtype} of "
+            f"shape {tuple(cmd.size)}; 8-bit codes of this parameter are uint8 of shape "
+            f"{tuple(like.shape)}"
+        )
+    layouts = scales_layouts(like)
+    got = tuple(smd.size)
+    fmt = next((f for f, (shape, _, _) in layouts.items() if shape == got), None)
+    if fmt is None or smd.properties.dtype != torch.float32:
+        raise ValueError(_refused(prefix + sk, smd, like, layouts))
+    if fmt == "rows":
+        if mine == "8bit":
+            return  # the same pair
+        codes, scales_t = _whole(like, cmd), _whole(like, smd)  # read whole
     else:
-        codes, scales_t = _like(like, cmd.properties.dtype), _first_format(like, smd, prefix + sk)
-        if scales_t is None:
-            return
+        codes, scales_t = _like(like, torch.uint8), _first_format(like, layouts["first"])
     entry.pop(key, None)
     entry[ck], entry[sk] = codes, scales_t
+
+
+def _refused(where: str, md, like: torch.Tensor, layouts: dict) -> str:
+    """The message for checkpoint scales of no format's shape: a first format of another
+    mesh named as such."""
+    got = tuple(md.size)
+    mesh = getattr(like, "device_mesh", None)
+    text = (
+        f"match_checkpoint: the checkpoint's {where!r} is {md.properties.dtype} of shape {got}; "
+        f"the scales of this parameter's 8-bit codes (shape {tuple(like.shape)}) are float32 "
+        f"of shape {accepted_shapes(layouts)}"
+    )
+    if len(got) >= 2:
+        shards = "x".join(map(str, got[:-1]))
+        here = ("not sharded" if mesh is None
+                else "sharded " + "x".join(map(str, layouts["first"][0][:-1])))  # fmt: skip
+        text += (
+            f". If it holds the first 8-bit format's scales (one row per shard, blocks of each "
+            f"rank's memory order), they were saved on a mesh of {shards} shards, and here the "
+            f"parameter is {here}: load it on the mesh it was saved on and save it again (this "
+            "release's format loads on any mesh)"
+        )
+    return text
 
 
 def _like(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -124,37 +156,17 @@ def _whole(like: torch.Tensor, md) -> torch.Tensor:
     return DTensor.from_local(z, mesh, [Replicate()] * mesh.ndim, run_check=False)
 
 
-def _first_format(like: torch.Tensor, md, where: str) -> torch.Tensor | None:
-    """Scales of the first 8-bit format as this mesh would have saved them (Note
-    [Checkpoint templates]): 1-D for a plain tensor, one row per shard of a DTensor's
-    mesh; an error for the first format of another mesh; None for neither."""
-    size = tuple(md.size)
-    device = local(like).device
-    mesh = getattr(like, "device_mesh", None)
-    if mesh is None:
-        if len(size) == 1:
-            return torch.zeros(size, dtype=torch.float32, device=device)
-        rows = size[:-1]
-    else:
-        from torch.distributed.tensor import DTensor, Replicate, Shard
+def _first_format(like: torch.Tensor, layout: tuple) -> torch.Tensor:
+    """Zero scales of the first 8-bit format as this mesh saved them (Note [Checkpoint
+    templates]): ``layout`` from scales_layouts."""
+    shape, local_shape, placements = layout
+    z = torch.zeros(local_shape, dtype=torch.float32, device=local(like).device)
+    if placements is None:
+        return z
+    from torch.distributed.tensor import DTensor
 
-        sharded = [pl.is_shard() for pl in like.placements]
-        rows = tuple(mesh.size(j) if s else 1 for j, s in enumerate(sharded))
-        if len(size) == mesh.ndim + 1 and size[:-1] == rows:
-            placements = [Shard(j) if s else Replicate() for j, s in enumerate(sharded)]
-            z = torch.zeros((*(1 for _ in sharded), size[-1]), dtype=torch.float32, device=device)
-            return DTensor.from_local(z, mesh, placements, run_check=False, shape=size,
-                                      stride=torch.empty(size, device="meta").stride())  # fmt: skip
-    if len(size) < 2:
-        return None
-    raise ValueError(
-        f"match_checkpoint: the checkpoint's {where!r} holds the first 8-bit format's scales "
-        f"(one row per shard, blocks of each rank's memory order), saved on a mesh of "
-        f"{'x'.join(map(str, size[:-1]))} shards; here the parameter is "
-        f"{'not sharded' if mesh is None else 'sharded ' + 'x'.join(map(str, rows))}. Load "
-        "it on the mesh it was saved on and save it again: this release's format loads on "
-        "any mesh"
-    )
+    return DTensor.from_local(z, like.device_mesh, placements, run_check=False, shape=shape,
+                              stride=torch.empty(shape, device="meta").stride())  # fmt: skip
 
 
 # Note [Entries in another layout]

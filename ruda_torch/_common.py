@@ -91,6 +91,33 @@ def own(
     return t.set_(buf.untyped_storage(), buf.storage_offset() + offset, shape, stride)
 
 
+def entry_names(groups) -> dict:
+    """Parameter index -> name, from the ``param_names`` that torch's state dicts carry
+    for an optimizer built from ``named_parameters()`` (empty otherwise): for messages."""
+    names = {}
+    for g in groups if isinstance(groups, (list, tuple)) else ():
+        if isinstance(g, dict) and isinstance(g.get("param_names"), (list, tuple)):
+            names.update(zip(g.get("params", ()), g["param_names"], strict=False))
+    return names
+
+
+def entry_where(prefix: str, index, names: dict) -> str:
+    """How a message names state entry ``index``: ``prefix[index]``, with its parameter's
+    name where the state dict has one."""
+    name = names.get(index)
+    return f"{prefix}[{index!r}]" + (f" (parameter {name!r})" if name is not None else "")
+
+
+def found(value) -> str:
+    """What a state entry holds where a tensor was expected, for a message: "a meta tensor
+    (torch.int16)", "a torch.float32 tensor", or the type's name."""
+    if not isinstance(value, torch.Tensor):
+        return type(value).__name__
+    if value.is_meta:
+        return f"a meta tensor ({value.dtype}, which holds no values)"
+    return f"a {value.dtype} tensor"
+
+
 def check_shape(value: torch.Tensor, p: torch.Tensor, key: str, where: str) -> None:
     if tuple(value.shape) != tuple(p.shape):
         raise ValueError(

@@ -469,7 +469,7 @@ class Bucket:
         if src_codes is not None:
             src_scales = values[scales_key(key)]
             form = pair_format(src_codes, src_scales)
-            if form == "rows" or (form == "flat" and _flat_blocks_are_rows(src_codes)):
+            if form == "rows" or _flat_blocks_are_rows(src_codes):
                 codes.copy_(src_codes)
                 scales.view(-1).copy_(src_scales.reshape(-1)[: self.blocks[i]])
                 return

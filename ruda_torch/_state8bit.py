@@ -17,6 +17,9 @@ from ._common import (
     STATE_KEYS,
     check_shape,
     codes_key,
+    entry_names,
+    entry_where,
+    found,
     is_dense,
     local,
     own,
@@ -68,7 +71,7 @@ def moment_code(key: str) -> str:
 # (scales of one dimension, one per block of 256 codes in the codes' memory order, for a
 # parameter of two or more dimensions; on a mesh, one row of scales per shard) still
 # loads: converted where its blocks are not the rows' (Note [8-bit blocks on every
-# mesh]).
+# mesh]); which format an entry is in is decided exactly (Note [8-bit entry formats]).
 # The names differ from torch's on purpose: torch.optim.AdamW casts every state tensor
 # it loads to the parameter's dtype, so codes under torch's name would load there as
 # values 0..255 and step silently wrong; under their own names torch's step stops with
@@ -98,54 +101,127 @@ def moment_format(entry, key: str, where: str) -> str | None:
     return "8bit" if has[0] else "plain" if key in entry else None
 
 
-def pair_format(codes: torch.Tensor, scales: torch.Tensor) -> str | None:
-    """The format of local 8-bit ``codes`` and ``scales`` (Note [8-bit state entries]):
-    ``"rows"`` (blocks of the rows, scales of ops.scales_shape_8bit), ``"flat"`` (the
-    earlier format: blocks of the dense codes' memory order, at least one scale per block,
-    a mesh's shard padded with more), or None (neither)."""
-    if tuple(scales.shape) == ops.scales_shape_8bit(codes.shape) and scales.is_contiguous():
-        return "rows"
-    if (
-        is_dense(codes)
-        and scales.is_contiguous()
-        and scales.numel() >= blocks_8bit(codes.numel())
-        and (scales.dim() == 1 or all(n == 1 for n in scales.shape[:-1]))
-    ):
-        return "flat"
-    return None
+# Note [8-bit entry formats]
+# Which format an 8-bit pair is in is decided from the shapes, dtypes and layouts of its
+# codes and scales together (the codes being shaped like the parameter, and placed like it
+# or as a checkpoint was read), exactly: never from "at least as many scales as blocks",
+# under which the row scales of a (64, 80) parameter flattened to (64,) were read as the
+# 20 blocks of another format. Two formats exist:
+# * "rows" (Note [8-bit state entries]): scales of global shape
+#   ops.scales_shape_8bit(codes.shape), contiguous; for DTensor codes a DTensor on their
+#   mesh with their placements whose local shape is scales_shape_8bit(local codes' shape)
+#   (the shards hold whole rows). The codes may have any strides: the blocks are defined
+#   on the shape, and codes are read by position, as moments of values are;
+# * "first" (the first release's, up to commit bc46cce; Note [Checkpoint templates] in
+#   ruda_torch/_checkpoint.py): blocks of 256 codes in the local codes' memory order, so
+#   the codes must be dense; the scales of plain codes of two or more dimensions 1-D, one
+#   per block, and of DTensor codes a DTensor of shape (m_1, ..., m_k, B), one row per
+#   shard: m_j the mesh size along mesh dimension j where the codes are sharded and 1
+#   elsewhere, B the blocks of the largest shard (ceil-divided sizes, torch.chunk's),
+#   placements Shard(j) and Replicate, local shape (1, ..., 1, B).
+# Anything else is refused before any write, with the key, the shape found and the shapes
+# accepted. The two formats' shapes coincide only where their blocks do (one row): either
+# reading gives the same values. They cannot tell a user's reshaping from a real entry of
+# the other format: 1-D scales of a plain 2-D parameter are the first format's, which is
+# what a reshaped row scale of a (3, 200) parameter then reads as.
+def scales_layouts(codes: torch.Tensor) -> dict[str, tuple[tuple, tuple, list | None]]:
+    """The layouts the scales of 8-bit ``codes`` may have (Note [8-bit entry formats]), by
+    format: ``(global shape, local shape, placements or None)``, placements None for plain
+    codes. "first" only where it differs from "rows" or is a DTensor's."""
+    shape, local_shape = tuple(codes.shape), tuple(local(codes).shape)
+    rows = ops.scales_shape_8bit(shape)
+    mesh = getattr(codes, "device_mesh", None)
+    if mesh is None:
+        out = {"rows": (rows, rows, None)}
+        if len(shape) >= 2:
+            flat = (blocks_8bit(math.prod(shape)),)
+            out["first"] = (flat, flat, None)
+        return out
+    from torch.distributed.tensor import Replicate, Shard
+
+    out = {"rows": (rows, ops.scales_shape_8bit(local_shape), list(codes.placements))}
+    sharded = [pl.is_shard() for pl in codes.placements]
+    largest = list(shape)
+    for j, pl in enumerate(codes.placements):
+        if sharded[j]:
+            largest[pl.dim] = -(-largest[pl.dim] // mesh.size(j))
+    per_shard = blocks_8bit(math.prod(largest))
+    first = (*(mesh.size(j) if s else 1 for j, s in enumerate(sharded)), per_shard)
+    placements = [Shard(j) if s else Replicate() for j, s in enumerate(sharded)]
+    out["first"] = (first, (*(1 for _ in sharded), per_shard), placements)
+    return out
 
 
-def check_8bit(entry, p: torch.Tensor, key: str, where: str) -> None:
-    """The pair of Note [8-bit state entries]: uint8 codes shaped like ``p``, and FP32
-    scales of ops.scales_shape_8bit(p.shape) (for a DTensor parameter a DTensor of that
-    shape whose local tensor is its local codes' scales), or of the earlier format."""
+def accepted_shapes(layouts: dict) -> str:
+    """The shapes of ``layouts`` (scales_layouts) for a message."""
+    return " or ".join(
+        f"{shape}" + ("" if fmt == "rows" else " (the first 8-bit format's)")
+        for fmt, (shape, _, _) in layouts.items()
+    )
+
+
+def check_8bit(entry, p: torch.Tensor, key: str, where: str) -> str:
+    """The pair of moment ``key`` (Note [8-bit state entries]): uint8 codes shaped like
+    ``p`` and FP32 scales of exactly one format's layout (Note [8-bit entry formats]);
+    returns the format, "rows" or "first". Raises ValueError naming the key, what was
+    found and what is accepted."""
     ck, sk = codes_key(key), scales_key(key)
     codes, scales = entry[ck], entry[sk]
     for k, v in ((ck, codes), (sk, scales)):
         if not isinstance(v, torch.Tensor) or v.is_meta:
-            got = "a meta tensor" if isinstance(v, torch.Tensor) else type(v).__name__
-            raise ValueError(f"{where}[{k!r}] must be a tensor with values, got {got}")
+            raise ValueError(f"{where}[{k!r}] must be a tensor with values, got {found(v)}")
     if codes.dtype != torch.uint8:
         raise ValueError(f"{where}[{ck!r}] must be uint8 (8-bit codes), got {codes.dtype}")
     if scales.dtype != torch.float32:
         raise ValueError(f"{where}[{sk!r}] must be float32 (block scales), got {scales.dtype}")
     check_shape(codes, p, ck, where)
+    layouts = scales_layouts(codes)
+    mesh = getattr(codes, "device_mesh", None)
     lc, ls = local(codes), local(scales)
-    form = pair_format(lc, ls)
-    mesh = getattr(scales, "device_mesh", None)
-    if form == "rows" and mesh is not None:
-        if tuple(scales.shape) != ops.scales_shape_8bit(codes.shape):
-            form = None  # local scales that fit, a global shape that does not
-    elif form == "flat":  # the earlier format: 1-D, or on a mesh one row of scales per shard
-        if (scales.dim() != 1) if mesh is None else (scales.dim() != mesh.ndim + 1):
-            form = None
-    if form is None:
-        raise ValueError(
-            f"{where}[{sk!r}] must be a contiguous float32 tensor of shape "
-            f"{ops.scales_shape_8bit(lc.shape)}, one scale per block of up to {BLOCK_8BIT} "
-            f"codes of each row (ruda_torch.ops.quantize_8bit's), got shape "
-            f"{tuple(ls.shape)}"
-        )
+    got = tuple(scales.shape)
+    for fmt, (shape, local_shape, placements) in layouts.items():
+        if got != shape:
+            continue
+        if hasattr(scales, "device_mesh") and (
+            scales.device_mesh != mesh or list(scales.placements) != placements
+        ):
+            where_placed = (f"on mesh {scales.device_mesh} with placements {scales.placements}"
+                            if mesh is not None else "a DTensor")  # fmt: skip
+            raise ValueError(
+                f"{where}[{sk!r}] is {where_placed}, but the scales of "
+                + (f"codes with placements {codes.placements} are placed {placements} on "
+                   f"their mesh {mesh}" if mesh is not None else "plain codes are plain")
+                + " (Note [8-bit entry formats] in ruda_torch/_state8bit.py)"
+            )  # fmt: skip
+        if tuple(ls.shape) != local_shape or not ls.is_contiguous():
+            raise ValueError(
+                f"{where}[{sk!r}] has local shape {tuple(ls.shape)}"
+                f"{'' if ls.is_contiguous() else ' and is not contiguous'}; the scales of "
+                f"local codes of shape {tuple(lc.shape)} are a contiguous tensor of shape "
+                f"{local_shape} (Note [8-bit entry formats] in ruda_torch/_state8bit.py)"
+            )
+        if fmt == "first" and not is_dense(lc):
+            raise ValueError(
+                f"{where}[{ck!r}] has strides {lc.stride()} with scales of the first 8-bit "
+                "format, whose blocks follow the codes' memory order, which a view with "
+                "gaps does not have: give the codes dense (e.g. .contiguous() of the tensor "
+                "they were saved from)"
+            )
+        return fmt
+    raise ValueError(
+        f"{where}[{sk!r}] has shape {got}; the scales of 8-bit codes of shape "
+        f"{tuple(codes.shape)} have shape {accepted_shapes(layouts)}: one float32 scale per block "
+        f"of up to {BLOCK_8BIT} codes of each row, as ruda_torch.ops.quantize_8bit makes them "
+        "(Note [8-bit entry formats] in ruda_torch/_state8bit.py)"
+    )
+
+
+def pair_format(codes: torch.Tensor, scales: torch.Tensor) -> str:
+    """The format of the local tensors of a pair that check_8bit accepted: "rows" where
+    the scales are those of the local codes' rows, else "first" (where both would fit, the
+    blocks are the same)."""
+    rows = ops.scales_shape_8bit(codes.shape)
+    return "rows" if tuple(scales.shape) == rows else "first"
 
 
 def moment_values(values: dict, key: str) -> torch.Tensor | None:
@@ -159,7 +235,7 @@ def moment_values(values: dict, key: str) -> torch.Tensor | None:
     scales = values[scales_key(key)]
     if pair_format(codes, scales) == "rows":
         return ops.dequantize_8bit(codes, scales, moment_code(key))
-    # The earlier format: blocks of the codes' memory order.
+    # The first format: blocks of the codes' memory order (a shard's row padded with more).
     n = codes.numel()
     decoded = torch.empty(n, dtype=torch.float32, device=codes.device)
     flat_scales = scales.reshape(-1)[: blocks_8bit(n)]
@@ -186,6 +262,7 @@ def dequantize_entries(state_dict: dict, only: set | None = None) -> dict:
     """dequantize_state_dict for the entries of the parameter indices in ``only`` (all by
     default)."""
     state = {}
+    names = entry_names(state_dict.get("param_groups"))
     for index, entry in state_dict["state"].items():
         if (
             (only is not None and index not in only)
@@ -194,7 +271,7 @@ def dequantize_entries(state_dict: dict, only: set | None = None) -> dict:
         ):
             state[index] = entry
             continue
-        where = f"state_dict['state'][{index!r}]"
+        where = entry_where("state_dict['state']", index, names)
         new = {k: v for k, v in entry.items() if k == "step"}
         for key in STATE_KEYS:
             if moment_format(entry, key, where) == "8bit":

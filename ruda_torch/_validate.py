@@ -15,6 +15,7 @@ from ._common import (
     REQUIRED_KEYS,
     STATE_KEYS,
     check_shape,
+    found,
 )
 from ._state8bit import check_8bit, moment_format
 
@@ -123,12 +124,13 @@ def check_required_keys(entry, where: str, eight_bit: bool = True) -> dict:
 
 
 def _check_values(value, p: torch.Tensor, key: str, where: str) -> None:
-    if not isinstance(value, torch.Tensor):
-        raise ValueError(f"{where}[{key!r}] must be a tensor, got {type(value).__name__}")
-    if not (value.is_floating_point() or value.is_complex()) or value.is_meta:
+    if (
+        not isinstance(value, torch.Tensor)
+        or not (value.is_floating_point() or value.is_complex())
+        or value.is_meta
+    ):
         raise ValueError(
-            f"{where}[{key!r}] must be a floating tensor with values, got "
-            f"{value.dtype}{' on meta' if value.is_meta else ''}"
+            f"{where}[{key!r}] must be a floating tensor with values, got {found(value)}"
         )
     check_shape(value, p, key, where)
     if value.is_complex() != p.is_complex():
@@ -168,8 +170,7 @@ def check_remainder(entry, p: torch.Tensor, where: str) -> None:
     if not isinstance(value, torch.Tensor) or value.dtype != torch.int16 or value.is_meta:
         raise ValueError(
             f"{where}[{REMAINDER_KEY!r}] must be an int16 tensor with values (the low 16 bits "
-            f"of the FP32 master), got "
-            f"{value.dtype if isinstance(value, torch.Tensor) else type(value).__name__}"
+            f"of the FP32 master), got {found(value)}"
         )
     if p.dtype != torch.bfloat16:
         raise ValueError(

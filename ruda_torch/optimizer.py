@@ -34,7 +34,7 @@ from torch.optim import Optimizer
 
 from . import _fused, _options, _plan, _state8bit
 from . import _step as phases
-from ._common import EIGHT_BIT_KEYS, MASTER_KEYS, STATE_KEYS, local
+from ._common import EIGHT_BIT_KEYS, MASTER_KEYS, STATE_KEYS, entry_names, entry_where, local
 from ._validate import check_max_grad_norm, check_state_entry, check_stats_dtype
 from .distributed import Scope, check_disjoint, check_process_group, ranks_of
 from .report import GradientReport
@@ -397,12 +397,14 @@ class AdamW(Optimizer):
         steps = {}  # parameter id -> its validated step counter
         fused = {id(p) for g, current in zip(new_groups, self.param_groups, strict=True)
                  if g["fused_step"] for p in current["params"]}  # fmt: skip
+        names = entry_names(groups)
         for key, st in state_dict["state"].items():
             if key not in id_to_param:
                 raise ValueError(f"loaded state has an entry for unknown parameter index {key}")
             if st:
                 p = id_to_param[key]
-                steps[id(p)] = check_state_entry(st, p, f"loaded state[{key}]", id(p) in fused)
+                where = entry_where("loaded state", key, names)
+                steps[id(p)] = check_state_entry(st, p, where, id(p) in fused)
         needs_global = self.hierarchical_stats or self.max_grad_norm is not None
         for gi, g in enumerate(new_groups):  # what derive() below checks of the parameters
             if g["fused_step"]:

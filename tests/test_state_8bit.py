@@ -556,8 +556,8 @@ def test_bad_8bit_entries_are_refused_before_anything_changes(case):
         "codes-dtype": "must be uint8",
         "codes-shape": "has shape",
         "scales-dtype": "must be float32",
-        "scales-count": r"of shape \(80, 1\), one scale per block",
-        "scales-shape": r"got shape \(1, 80\)",
+        "scales-count": r"has shape \(79, 1\); .* have shape \(80, 1\) or \(22,\)",
+        "scales-shape": r"has shape \(1, 80\); .* have shape \(80, 1\)",
         "missing-moment": r"lacks \['exp_avg_sq'\]",
     }[case]
     _entry_error(mutate, match)

@@ -228,3 +228,66 @@ def scenario_cut_blocks(rank: int, workdir: str) -> None:
 
 def test_a_sharding_that_cuts_blocks_is_refused(tmp_path):
     run_scenario(tmp_path, "test_state_8bit_mesh:scenario_cut_blocks", world=2)
+
+
+def scenario_dtensor_entries(rank: int, workdir: str) -> None:
+    """Entries of DTensor parameters (FSDP2, 2 ranks; Note [8-bit entry formats] in
+    ruda_torch/_state8bit.py): scales of another global shape, of the rows' shape placed
+    otherwise than the codes, and of the first format's layout but for a mesh of other
+    sizes, are each refused on every rank before anything changes; the first format's own
+    layout loads as its blocks say."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    model = build("fsdp2")
+    opt = ruda_torch.AdamW(model.parameters(), **OPTIONS)
+    feed(model, 0)
+    opt.step()
+    w = model.up.weight  # (512, 9): a block per row, Shard(0): 256 rows a rank
+    mesh, entry = w.device_mesh, opt.state[w]
+    before = full_state(model, opt)
+    scales = entry["exp_avg_scales"]
+    local = scales.to_local()
+    spoiled = {
+        "flattened": (DTensor.from_local(local.reshape(-1), mesh, [Shard(0)], run_check=False),
+                      r"has shape \(512,\); .* have shape \(512, 1\) or \(2, 9\)"),
+        "replicated": (DTensor.from_local(scales.full_tensor(), mesh, [Replicate()],
+                                          run_check=False), "placed"),
+        "first-format-4-blocks": (DTensor.from_local(torch.zeros(1, 4), mesh, [Shard(0)],
+                                                     run_check=False),
+                                  r"has shape \(2, 4\); .* \(2, 9\) \(the first"),
+    }  # fmt: skip
+    for what, (value, match) in spoiled.items():
+        opt.state[w] = {**entry, "exp_avg_scales": value}
+        feed(model, 1)
+        with pytest.raises(ValueError, match=match):
+            opt.step()
+        opt.state[w] = entry
+        assert_same_state(full_state(model, opt), before, what)
+    # The first format as 2 ranks saved it: each rank's 256 x 9 codes in blocks of their
+    # memory order, one row of 9 scales (2,304 codes) a rank.
+    codes = entry["exp_avg_codes"].to_local()
+    values = ruda_torch.ops.dequantize_8bit(codes, local, "signed")
+    first_codes, first_scales = ruda_torch.ops.quantize_8bit(values.reshape(-1), "signed")
+    first = {
+        **entry,
+        "exp_avg_codes": DTensor.from_local(first_codes.reshape(codes.shape), mesh, [Shard(0)],
+                                            run_check=False, shape=w.shape, stride=w.stride()),
+        "exp_avg_scales": DTensor.from_local(first_scales.reshape(1, -1), mesh, [Shard(0)],
+                                             run_check=False),
+    }  # fmt: skip
+    want = ruda_torch.ops.dequantize_8bit(first_codes, first_scales, "signed").reshape(codes.shape)
+    got = ruda_torch.dequantize_state_dict({"state": {0: first}, "param_groups": []})
+    assert same_bits(got["state"][0]["exp_avg"].to_local(), want)
+    opt.state[w] = first
+    opt._current_plan()  # adopted: re-coded by the rows
+    decoded = ruda_torch.ops.dequantize_8bit(
+        *ruda_torch.ops.quantize_8bit(want, "signed"), "signed"
+    )
+    mine = opt.state[w]
+    assert same_bits(ruda_torch.ops.dequantize_8bit(mine["exp_avg_codes"].to_local(),
+                                                    mine["exp_avg_scales"].to_local(), "signed"),
+                     decoded)  # fmt: skip
+
+
+def test_dtensor_entries_of_no_format_are_refused(tmp_path):
+    run_scenario(tmp_path, "test_state_8bit_mesh:scenario_dtensor_entries", world=2)
