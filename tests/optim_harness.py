@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import ruda_torch
 
@@ -161,6 +162,30 @@ def copy_grads(src, dst) -> None:
 
 def _params_of(models) -> list:
     return list(models.parameters()) if isinstance(models, nn.Module) else list(models)
+
+
+def step_twin(model: nn.Module, twin: tuple, scaler=None) -> None:
+    """Step ``twin`` (a model and its optimizer) from copies of ``model``'s gradients,
+    unscaled where ``scaler`` scaled them (a power-of-two scale divides exactly)."""
+    twin_model, twin_opt = twin
+    twin_opt.zero_grad()
+    copy_grads(model, twin_model)
+    if scaler is not None:
+        for p in twin_model.parameters():
+            p.grad /= scaler.get_scale()
+    twin_opt.step()
+
+
+class CountOps(TorchDispatchMode):
+    """The torch operators dispatched while it is active, in ``ops``."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(func)
+        return func(*args, **(kwargs or {}))
 
 
 def train_pairs(pairs, steps) -> None:

@@ -28,6 +28,7 @@ from optim_harness import (
     EXACT,
     TORCH_DEFAULTS,
     VS_TORCH,
+    CountOps,
     Net,
     assert_bitwise,
     assert_matches_torch,
@@ -38,7 +39,6 @@ from optim_harness import (
     uses_extra,
 )
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import ruda_torch
 
@@ -368,16 +368,6 @@ def test_checkpoints_pickles_and_copies():
 # ------------------------------------------------------------------ host work and errors
 
 
-class _CountOps(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.ops = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops.append(func)
-        return func(*args, **(kwargs or {}))
-
-
 def _step_work(n_params: int, flat: bool) -> tuple[int, int]:
     """(Python calls, dispatched torch operators) of one steady step (the second measured:
     the first one's calls include torch's lazy initializations)."""
@@ -403,7 +393,7 @@ def _measured(opt) -> tuple[int, int]:
         if event in ("call", "c_call"):
             calls += 1
 
-    counter = _CountOps()
+    counter = CountOps()
     sys.setprofile(profile)
     try:
         with counter:

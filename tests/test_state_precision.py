@@ -17,7 +17,7 @@ import io
 import numpy as np
 import pytest
 import torch
-from optim_harness import copy_grads
+from optim_harness import copy_grads, step_twin
 from test_ops import same_bits, seed_of
 
 import ruda_torch
@@ -234,12 +234,7 @@ def _train(model, opt, steps, start=0, twin=None, scaler=None):
         loss = model(x).float().pow(2).mean()
         (loss if scaler is None else scaler.scale(loss)).backward()
         if twin is not None:
-            twin[1].zero_grad()
-            copy_grads(model, twin[0])
-            if scaler is not None:
-                for p in twin[0].parameters():
-                    p.grad /= scaler.get_scale()
-            twin[1].step()
+            step_twin(model, twin, scaler)
         if scaler is None:
             opt.step()
         else:
