@@ -8,7 +8,7 @@ from collections.abc import Mapping
 
 import torch
 
-from ._common import STATE_KEYS, codes_key, local, scales_key
+from ._common import EIGHT_BIT_KEYS, MASTER_KEYS, STATE_KEYS, codes_key, local, scales_key
 from ._state8bit import accepted_shapes, decoded_pair, scales_layouts
 
 # Note [Checkpoint templates]
@@ -28,15 +28,28 @@ from ._state8bit import accepted_shapes, decoded_pair, scales_layouts
 #   reads (the same shards): they are read in that layout, with the codes sharded like the
 #   parameter, and converted by the rows. A first-format checkpoint of another mesh is
 #   refused, naming the entry: load it on the mesh it was saved on and save it again.
-# Everything else is left as it is, and DCP reports what still does not match.
+# And a checkpoint may lack what the template names, where it comes from another optimizer
+# (torch's AdamW: no master, no group options of ours) or other options (no AMSGrad): a
+# master in the other form (`master_param` and `master_remainder`) is read in that form; a
+# moment or master it holds in no form, a group option it does not hold, and an entry it
+# holds none of are left out of the template, and load_state_dict treats them as absent
+# (a parameter without state starts afresh, a missing master starts from the parameter, a
+# missing AMSGrad maximum from zeros, a missing group option is this optimizer's; a
+# missing first or second moment is refused, naming it). Everything else is left as it is,
+# and DCP reports what still does not match. The template may be nested as
+# get_optimizer_state_dict makes it (``state.<fqn>.<key>``, ``param_groups.<i>.<option>``)
+# or flat as torchtitan's (``state.<fqn>.<key>``, ``param_groups.<fqn>.<option>`` as keys
+# of one dict).
 
 
 def match_checkpoint(state_dict: Mapping, checkpoint_id=None, *, storage_reader=None) -> dict:
     """The state dict to hand ``torch.distributed.checkpoint.load`` for a checkpoint whose
-    optimizer state may hold moments in another form than this optimizer's (Note
-    [Checkpoint templates] in ruda_torch/_checkpoint.py): ``state_dict`` (as for
-    ``dcp.load``: ``{"optim": get_optimizer_state_dict(model, optimizer), ...}``) with each
-    such entry's tensors replaced by tensors of the checkpoint's names and shapes; the
+    optimizer state may hold moments in another form than this optimizer's, or lack keys it
+    names (torch's AdamW's: no master, none of our group options; Note [Checkpoint
+    templates] in ruda_torch/_checkpoint.py): ``state_dict`` (as for ``dcp.load``:
+    ``{"optim": get_optimizer_state_dict(model, optimizer), ...}``, or torchtitan's flat
+    optimizer state dict) with each such entry's tensors replaced by tensors of the
+    checkpoint's names and shapes and what the checkpoint does not hold left out; the
     input is not modified. Read the checkpoint with ``dcp.load`` into the result, then
     ``set_optimizer_state_dict`` converts. ``checkpoint_id``: the checkpoint's folder
     (read with ``FileSystemReader``), or ``storage_reader`` to read its metadata."""
@@ -58,10 +71,79 @@ def match_checkpoint(state_dict: Mapping, checkpoint_id=None, *, storage_reader=
 def _matched(node: Mapping, prefix: str, saved: dict) -> dict:
     out = {}
     for k, v in node.items():
-        out[k] = _matched(v, f"{prefix}{k}.", saved) if isinstance(v, Mapping) else v
-    for key in STATE_KEYS:
-        _match_moment(out, prefix, key, saved)
+        if isinstance(v, Mapping):
+            out[k] = _matched(v, f"{prefix}{k}.", saved)
+        elif k == "param_groups" and isinstance(v, list):
+            out[k] = [_matched_group(g, f"{prefix}{k}.{i}.", saved) if isinstance(g, Mapping)
+                      else g for i, g in enumerate(v)]  # fmt: skip
+        else:
+            out[k] = v
+    if _is_entry(out):
+        return _matched_entry(out, prefix, saved)
+    flat = _flat_entries(out)
+    if flat:  # torchtitan's flat optimizer state dict
+        for fqn, names in flat.items():
+            entry = {name: out.pop(f"state.{fqn}.{name}") for name in names}
+            for name, value in _matched_entry(entry, f"{prefix}state.{fqn}.", saved).items():
+                out[f"state.{fqn}.{name}"] = value
+        for k in [k for k in out if k.startswith("param_groups.") and prefix + k not in saved]:
+            del out[k]
+    state = out.get("state")
+    if isinstance(state, dict):  # entries of which the checkpoint holds nothing
+        out["state"] = {k: v for k, v in state.items() if not isinstance(v, Mapping) or v}
     return out
+
+
+# What a state entry holds, by key (Note [Checkpoint templates]).
+_ENTRY_KEYS = ("step", *STATE_KEYS, *EIGHT_BIT_KEYS, *MASTER_KEYS)
+
+
+def _is_entry(node: Mapping) -> bool:
+    return any(k in node for k in (*STATE_KEYS, *EIGHT_BIT_KEYS))
+
+
+def _flat_entries(node: Mapping) -> dict:
+    """The entries of a flat optimizer state dict: {fqn: [its keys' names]}."""
+    if not any(isinstance(k, str) and k.startswith("param_groups.") for k in node):
+        return {}
+    entries: dict = {}
+    for k in node:
+        if isinstance(k, str) and k.startswith("state."):
+            fqn, _, name = k[len("state.") :].rpartition(".")
+            if fqn and name in _ENTRY_KEYS:
+                entries.setdefault(fqn, []).append(name)
+    return entries
+
+
+def _matched_group(group: Mapping, prefix: str, saved: dict) -> dict:
+    """A param group of the template without the options the checkpoint does not hold."""
+    return {k: v for k, v in group.items() if k == "params" or prefix + k in saved}
+
+
+def _matched_entry(entry: dict, prefix: str, saved: dict) -> dict:
+    """State entry ``entry`` (at DCP key ``prefix``) as the checkpoint holds it; empty
+    where the checkpoint holds none of it."""
+    entry = dict(entry)
+    for key in STATE_KEYS:
+        _match_moment(entry, prefix, key, saved)
+    _match_master(entry, prefix, saved)
+    for k in [k for k in entry if prefix + k not in saved]:
+        del entry[k]  # held in no form
+    return entry
+
+
+def _match_master(entry: dict, prefix: str, saved: dict) -> None:
+    """A master of the template read in the form the checkpoint holds it in."""
+    mine = next((k for k in MASTER_KEYS if k in entry), None)
+    theirs = next((k for k in MASTER_KEYS if prefix + k in saved), None)
+    if (
+        mine is None
+        or theirs is None
+        or mine == theirs
+        or not isinstance(entry[mine], torch.Tensor)
+    ):
+        return
+    entry[theirs] = _like(entry.pop(mine), saved[prefix + theirs].properties.dtype)
 
 
 def _form(keys, name: str, key: str) -> str | None:

@@ -36,7 +36,7 @@ from . import _fused, _options, _plan, _state8bit
 from . import _step as phases
 from ._common import EIGHT_BIT_KEYS, MASTER_KEYS, STATE_KEYS, entry_names, entry_where, local
 from ._validate import check_max_grad_norm, check_state_entry, check_stats_dtype
-from .distributed import Scope, check_disjoint, check_process_group, ranks_of
+from .distributed import Scope, check_disjoint, check_process_group, ranks_of, scope_of
 from .report import GradientReport
 
 __all__ = ["Adam", "AdamW", "GradientReport"]
@@ -204,12 +204,9 @@ class AdamW(Optimizer):
         _options.check_group(defaults, None, "construction", bool(hierarchical_stats))
         defaults["betas"] = tuple(betas)
         check_process_group(process_group, "process_group")
-        check_process_group(partition_group, "partition_group")
-        if process_group is not None and partition_group is not None:
-            check_disjoint(Scope((process_group,)), partition_group, "process_group")
         self.hierarchical_stats = bool(hierarchical_stats)
-        self.max_grad_norm = check_max_grad_norm(max_grad_norm)
         self.process_group = process_group
+        self.max_grad_norm = max_grad_norm  # checked by the setters below
         self.partition_group = partition_group
         self.last_report: GradientReport | None = None
         self._plan: _plan.FusedPlan | None = None
@@ -217,6 +214,34 @@ class AdamW(Optimizer):
         super().__init__(params, defaults)
         self._home_groups = self.param_groups  # Note [Swapped param_groups]
         self._install_flat_grads()  # before the first backward, which then fills the views
+
+    # ------------------------------------------------------------------ wide options
+    # max_grad_norm and partition_group are read by every step: set between steps (as
+    # torchtitan's clip call hands them over: ruda_torch/integrations/torchtitan.py), they
+    # are checked as at construction, before the next step, and take effect there.
+    @property
+    def max_grad_norm(self):
+        return self.__dict__.get("max_grad_norm")
+
+    @max_grad_norm.setter
+    def max_grad_norm(self, value) -> None:
+        self.__dict__["max_grad_norm"] = check_max_grad_norm(value)
+
+    @property
+    def partition_group(self):
+        return self.__dict__.get("partition_group")
+
+    @partition_group.setter
+    def partition_group(self, group) -> None:
+        check_process_group(group, "partition_group")
+        process_group = self.__dict__.get("process_group")
+        if group is not None and process_group is not None:
+            check_disjoint(Scope((process_group,)), group, "process_group")
+        if group is not None:  # the fused parameters' scopes, as the plan checks them
+            for gi, g in enumerate(self.__dict__.get("param_groups", ())):
+                for j, p in enumerate(g["params"] if g.get("fused_step") else ()):
+                    scope_of(p, process_group, True, f"param group {gi} parameter {j}", group)
+        self.__dict__["partition_group"] = group
 
     # ------------------------------------------------------------------ pickling
     # torch's Optimizer pickles only defaults, state and param_groups; the options that
@@ -390,8 +415,11 @@ class AdamW(Optimizer):
                 g["fused_step"] = current["fused_step"]
                 if g.get("fused") is not None and bool(g["fused"]) != g["fused_step"]:
                     g["fused"] = current.get("fused")
-            for k in _options.FUSED_KEYS:
-                g.setdefault(k, current[k])
+            # Options the checkpoint does not hold (torch's, or a template matched to it:
+            # Note [Checkpoint templates] in ruda_torch/_checkpoint.py) are this optimizer's.
+            for k, v in current.items():
+                if k != "params":
+                    g.setdefault(k, v)
             _options.check_group(g, gi, "load", self.hierarchical_stats)
             new_groups.append(g)
         steps = {}  # parameter id -> its validated step counter

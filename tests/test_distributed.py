@@ -860,12 +860,20 @@ def scenario_zero_global_statistics(rank: int, workdir: str) -> None:
     with pytest.raises(ValueError, match=r"partition_group \(ranks \[0, 1\]\) shares ranks"):
         ruda_torch.AdamW(make_model().parameters(), process_group=dist.group.WORLD,
                          partition_group=dist.group.WORLD)  # fmt: skip
+    # The same check when it is set between steps (docs/usage.md), before anything changes.
+    overlapping = ruda_torch.AdamW(make_model().parameters(), process_group=dist.group.WORLD)
+    with pytest.raises(ValueError, match=r"partition_group \(ranks \[0, 1\]\) shares ranks"):
+        overlapping.partition_group = dist.group.WORLD
+    assert overlapping.partition_group is None
+    with pytest.raises(TypeError, match="partition_group must be a torch.distributed.Process"):
+        overlapping.partition_group = "world"
     model = make_model()
     opt = ZeroRedundancyOptimizer(
         model.parameters(), optimizer_class=ruda_torch.AdamW, **HP, fused_step=True,
-        hierarchical_stats=True, max_grad_norm=MAX_GRAD_NORM, partition_group=dist.group.WORLD,
+        hierarchical_stats=True, max_grad_norm=MAX_GRAD_NORM,
     )  # fmt: skip
     local = opt.optim
+    local.partition_group = dist.group.WORLD  # as if given at construction
     x, y = global_batch(0)
     loss_fn(model(x), y).backward()
     mine = [p for g in local.param_groups for p in g["params"]]

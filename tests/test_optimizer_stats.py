@@ -497,3 +497,22 @@ def test_control_copies_wait_when_they_go_to_the_cpu(monkeypatch):
     _stats.to_device(meta, torch.device("cuda"))
     _stats.PerDevice().get(meta, torch.device("cpu"))
     assert seen == [("cpu", False), ("cuda", True), ("cpu", False)]
+
+
+def test_max_grad_norm_set_between_steps_is_checked_and_read_by_the_next_step():
+    """docs/usage.md: max_grad_norm (like partition_group, tests/test_distributed.py) is
+    read by every step; set between steps it is checked as at construction."""
+    mo = Net()
+    ours = ruda_torch.AdamW(mo.parameters(), **TORCH_DEFAULTS, fused_step=True,
+                            hierarchical_stats=True)  # fmt: skip
+    for bad in (0.0, -1.0, float("nan"), "1.0", True):
+        with pytest.raises(ValueError, match="max_grad_norm"):
+            ours.max_grad_norm = bad
+    assert ours.max_grad_norm is None
+    _scaled_backward(mo, 1)
+    ours.step()
+    assert ours.last_report.clip_coef.item() == 1.0
+    ours.max_grad_norm = 1e-3
+    _scaled_backward(mo, 2)
+    ours.step()
+    assert ours.last_report.clip_coef.item() < 1.0

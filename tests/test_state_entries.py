@@ -385,3 +385,66 @@ def test_match_checkpoint_refuses_scales_and_codes_of_no_format(tmp_path):
     dcp.save({"optim": opt.state_dict()}, checkpoint_id=str(tmp_path / "good"))
     template = ruda_torch.match_checkpoint({"optim": fp32.state_dict()}, str(tmp_path / "good"))
     assert template["optim"]["state"][0]["exp_avg_scales"].shape == (64, 1)
+
+
+@pytest.mark.parametrize(
+    "precision, master", [("fp32", False), ("bf16", "remainder"), ("8bit", True)],
+    ids=["fp32", "bf16-remainder", "8bit-master"],
+)  # fmt: skip
+def test_a_dcp_checkpoint_of_torchs_adamw_loads_through_match_checkpoint(tmp_path, precision,
+                                                                         master):  # fmt: skip
+    """torch.optim.AdamW's DCP checkpoint (no master, none of our group options) lacks
+    keys our template names: plain dcp.load stops at them; match_checkpoint's template
+    leaves them out (Note [Checkpoint templates] in ruda_torch/_checkpoint.py) and the
+    load gives what load_state_dict of torch's state dict gives, our options kept. And
+    back: ours into torch's through the template and dequantize_state_dict."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (
+        get_optimizer_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    dtype = torch.bfloat16 if master else torch.float32
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 80), nn.Linear(80, 8)).to(dtype)
+    theirs = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(2):
+        for p in model.parameters():
+            p.grad = torch.randn(p.shape, generator=gen).to(dtype)
+        theirs.step()
+    dcp.save({"optim": get_optimizer_state_dict(model, theirs)}, checkpoint_id=str(tmp_path / "t"))
+    kw = dict(lr=1e-2, fused_step=True, state_precision=precision, min_8bit_size=0,
+              master_weights=master, amsgrad=True)  # fmt: skip
+    ours = ruda_torch.AdamW(model.parameters(), **kw)
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    ours.step()  # state to read into, as DCP's users create it
+    template = {"optim": get_optimizer_state_dict(model, ours)}
+    with pytest.raises(BaseException, match="Missing key"):  # DCP's CheckpointException
+        dcp.load(copy.deepcopy(template), checkpoint_id=str(tmp_path / "t"))
+    sd = ruda_torch.match_checkpoint(template, str(tmp_path / "t"))
+    dcp.load(sd, checkpoint_id=str(tmp_path / "t"))
+    set_optimizer_state_dict(model, ours, sd["optim"])
+    twin = ruda_torch.AdamW([nn.Parameter(p.detach().clone()) for p in model.parameters()], **kw)
+    twin.load_state_dict(theirs.state_dict())
+    twin._current_plan()
+    assert ours.param_groups[0]["state_precision"] == precision  # ours, not the checkpoint's
+    assert ours.param_groups[0]["master_weights"] == master
+    want = twin.state_dict()["state"]
+    for i, entry in ours.state_dict()["state"].items():
+        assert entry.keys() == want[i].keys()
+        for k, v in entry.items():
+            assert same_bits(v, want[i][k]), (i, k)
+    # Back: ours into torch's AdamW.
+    dcp.save({"optim": get_optimizer_state_dict(model, ours)}, checkpoint_id=str(tmp_path / "o"))
+    back = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    back.step()  # (zero gradients)
+    sd = ruda_torch.match_checkpoint({"optim": get_optimizer_state_dict(model, back)},
+                                     str(tmp_path / "o"))  # fmt: skip
+    dcp.load(sd, checkpoint_id=str(tmp_path / "o"))
+    set_optimizer_state_dict(model, back, ruda_torch.dequantize_state_dict(sd["optim"]))
+    values = ruda_torch.dequantize_state_dict(ours.state_dict())["state"]
+    for i, entry in back.state_dict()["state"].items():
+        for k in ("exp_avg", "exp_avg_sq"):
+            assert same_bits(entry[k], values[i][k].to(entry[k].dtype)), (i, k)
