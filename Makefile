@@ -61,8 +61,9 @@ help:
 	@echo "make bench      set up and build, then run benchmarks/bench_adamw.py"
 	@echo "make bench-states  low-precision optimizer states: the step against torch and"
 	@echo "                torchao (bench_state_precision.py), then the training-quality run"
-	@echo "make test-integrations  install requirements-integrations.txt and DeepSpeed into .venv (HF"
-	@echo "                transformers, accelerate, Lightning, DeepSpeed) and run tests/integrations"
+	@echo "make test-integrations  install requirements-integrations.txt, requirements-torchtitan.txt"
+	@echo "                and DeepSpeed into .venv (HF transformers, accelerate, Lightning, DeepSpeed,"
+	@echo "                torchtitan) and run tests/integrations"
 	@echo "make test-cpu-torch  build against the CPU-only torch 2.13.0 in .venv-cpu (CPU kernels"
 	@echo "                only) and run the kernel, optimizer and distributed tests there"
 	@echo "make test-cuda-sim  the CUDA kernels on an emulated device against the CPU kernels,"
@@ -149,8 +150,10 @@ test: $(BUILD_STAMP)
 INTEGRATIONS_STAMP := $(STAMPS)/.stamp-integrations
 # DeepSpeed (an sdist): built against .venv's torch, without its prebuilt ops.
 DEEPSPEED_VERSION ?= 0.19.8
-$(INTEGRATIONS_STAMP): requirements-integrations.txt requirements-deepspeed.txt $(DEPS_STAMP)
-	$(PY) -m pip install -r requirements-integrations.txt -r requirements-deepspeed.txt
+$(INTEGRATIONS_STAMP): requirements-integrations.txt requirements-deepspeed.txt \
+		requirements-torchtitan.txt $(DEPS_STAMP)
+	$(PY) -m pip install -r requirements-integrations.txt -r requirements-deepspeed.txt \
+		-r requirements-torchtitan.txt
 	DS_BUILD_OPS=0 $(PY) -m pip install --no-build-isolation --no-deps \
 		deepspeed==$(DEEPSPEED_VERSION)
 	@touch $@
@@ -240,7 +243,7 @@ cpu-venv: $(CPU_VENV)/.stamp-deps
 # for the files it holds.
 SDIST_STAMP := build/sdist/.stamp
 $(SDIST_STAMP): $(DEPS_STAMP) setup.py pyproject.toml MANIFEST.in README.md $(CSRC) \
-		$(wildcard ruda_torch/*.py)
+		$(wildcard ruda_torch/*.py) $(wildcard ruda_torch/integrations/*.py)
 	rm -rf build/sdist
 	$(PY) -m build --sdist --outdir build/sdist .
 	@touch $@
