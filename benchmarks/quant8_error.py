@@ -25,7 +25,17 @@ fraction of nonzero values coded as zero, and the error of the update
 m_hat / (sqrt(v_hat) + eps) computed from decoded moments against the exact one (relative
 L2; the fraction of elements whose update grew more than 4x; the largest update).
 
+``--bits 4``: the candidates of 4-bit code books instead (16 codes), each in blocks of 128
+of the flat tensor (torchao's), of 128 and of 256 elements of each row, and for the second
+moment rank-1 normalization (each element scaled by the smaller of its row's and its
+column's maximum: Li, Chen and Zhu, "Memory Efficient Optimizers with 4-bit States"):
+torchao's AdamW4bit maps (a signed dynamic map with 3 exponent bits; linear without zero),
+signed linear k/7 and its square, small float codes scaled to a largest value of 1
+(sign + E2M1, sign + E3M0; E3M1, E2M2 without zero), powers of two (E4M0) and their
+squares; then each moment's error alone in the update and pairs of them.
+
     .venv/bin/python benchmarks/quant8_error.py --steps 300
+    .venv/bin/python benchmarks/quant8_error.py --steps 300 --bits 4
 """
 
 from __future__ import annotations
@@ -113,14 +123,148 @@ def trained_moments(steps: int, seed: int):
     return ms, vs, steps
 
 
+# ---------------------------------------------------------------------------- 4 bits
+
+
+def table4(name: str) -> torch.Tensor:
+    """The 16 (or 15) values of a 4-bit code book, sorted (FP64); largest 1."""
+    if name == "ao-dyn":  # torchao's AdamW4bit, exp_avg: signed dynamic map, 3 exponent bits
+        from torchao.optim.quant_utils import create_dynamic_map
+
+        return torch.tensor(sorted(create_dynamic_map(True, 3, 4)), dtype=torch.float64)
+    if name == "ao-lin":  # torchao's AdamW4bit, exp_avg_sq: linear without zero
+        return torch.linspace(0, 1, 17, dtype=torch.float64)[1:]
+    if name == "lin7":  # signed linear, k / 7
+        return torch.arange(-7, 8, dtype=torch.float64) / 7
+    if name == "lin-sqrt":  # signed, k / 7 squared: finer near zero
+        k = torch.arange(-7, 8, dtype=torch.float64) / 7
+        return k.abs().pow(2) * k.sign()
+    if name in ("s+E2M1", "E3M1", "E2M2"):
+        signed = name.startswith("s+")
+        e, m = int(name[-3]), int(name[-1])
+        t = float_code(e, m, signed)
+        t = t / t.abs().max()
+        return t if signed else t[t > 0]  # unsigned: no zero
+    if name == "s+E3M0":
+        mags = [0.0] + [2.0**-k for k in range(6, -1, -1)]
+        return torch.tensor(sorted({*mags, *(-x for x in mags)}), dtype=torch.float64)
+    if name == "E4M0":  # powers of two 2^-15 .. 1, no zero
+        return torch.tensor([2.0**-k for k in range(15, -1, -1)], dtype=torch.float64)
+    if name == "E4M0-sqrt":  # 4^-k: sqrt(v) at powers of two 2^-15 .. 1
+        return torch.tensor([4.0**-k for k in range(15, -1, -1)], dtype=torch.float64)
+    raise ValueError(name)
+
+
+def coded(x: torch.Tensor, table: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x / scale coded by `table` (nearest value, clamped), decoded."""
+    q = (x / torch.where(scale > 0, scale, 1.0)).clamp(table[0].item(), table[-1].item())
+    return nearest(q.flatten(), table).view_as(q) * scale
+
+
+def by_blocks(x: torch.Tensor, table: torch.Tensor, block: int, rows: bool) -> torch.Tensor:
+    """x coded in blocks of `block` (of each row, or of the flat tensor) with absmax scales."""
+    if not rows or x.dim() < 2:
+        flat = x.flatten()
+        n = flat.numel()
+        b = torch.cat([flat, flat.new_zeros(-n % block)]).view(-1, block)
+        return coded(b, table, b.abs().amax(1, keepdim=True)).flatten()[:n]
+    r = x.reshape(x.shape[0], -1)
+    c = r.shape[1]
+    padded = torch.cat([r, r.new_zeros(r.shape[0], -c % block)], 1).view(r.shape[0], -1, block)
+    out = coded(padded, table, padded.abs().amax(2, keepdim=True))
+    return out.view(r.shape[0], -1)[:, :c].flatten()
+
+
+def rank1(x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """x (>= 0) coded with rank-1 normalization: each element scaled by the smaller of its
+    row's and its column's maximum (Li, Chen, Zhu 2023); 1-D tensors by blocks of 128."""
+    if x.dim() < 2:
+        return by_blocks(x, table, 128, False)
+    r = x.reshape(x.shape[0], -1)
+    scale = torch.minimum(r.amax(1, keepdim=True), r.amax(0, keepdim=True))
+    return coded(r, table, scale).flatten()
+
+
+def main4(args, ms, vs, t) -> int:
+    m = torch.cat([x.flatten() for x in ms])
+    v = torch.cat([x.flatten() for x in vs])
+    b1, b2, eps = quality.HYPER["betas"][0], quality.HYPER["betas"][1], quality.HYPER["eps"]
+    bc1, bc2 = 1 - b1**t, 1 - b2**t
+
+    def update(mm, vv):
+        return (mm / bc1) / ((vv / bc2).sqrt() + eps)
+
+    exact = update(m, v)
+    print(f"moments after {t} steps: {m.numel():,} elements in tensors of >= 4096")
+    first, second = {}, {}
+    for code in ("ao-dyn", "lin7", "lin-sqrt", "s+E2M1", "s+E3M0"):
+        for block, rows in ((128, False), (128, True), (256, True)):
+            first[f"{code} {'rows' if rows else 'flat'}{block}"] = torch.cat(
+                [by_blocks(x, table4(code), block, rows) for x in ms]
+            )
+    for code in ("ao-lin", "E4M0", "E4M0-sqrt", "E3M1", "E2M2"):
+        for block, rows in ((128, False), (128, True), (256, True)):
+            second[f"{code} {'rows' if rows else 'flat'}{block}"] = torch.cat(
+                [by_blocks(x, table4(code), block, rows) for x in vs]
+            )
+        second[f"{code} rank1"] = torch.cat([rank1(x, table4(code)) for x in vs])
+
+    def report(name, decoded, exact_values):
+        nz = exact_values != 0
+        rel = (decoded[nz] - exact_values[nz]).abs() / exact_values[nz].abs()
+        zeroed = ((decoded == 0) & nz).double().mean().item()
+        p99 = rel.kthvalue(max(1, int(0.99 * rel.numel()))).values.item()
+        print(f"  {name:22s} median {rel.median().item():.4f}  p99 {p99:.4f}  "
+              f"coded as 0 {zeroed:.5f}")  # fmt: skip
+
+    print("exp_avg, relative error of nonzero values:")
+    for k, d in first.items():
+        report(k, d, m)
+    print("exp_avg_sq:")
+    for k, d in second.items():
+        report(k, d, v)
+    print("update from decoded moments (exp_avg with exact exp_avg_sq, exp_avg_sq with exact")
+    print("exp_avg, then pairs): relative L2 error, fraction grown > 4x, largest |update|")
+    print(f"  exact: largest |update| {exact.abs().max().item():.3g}")
+
+    def row(label, u):
+        err = ((u - exact).norm() / exact.norm()).item()
+        grown = (u.abs() > 4 * exact.abs() + 1e-3).double().mean().item()
+        print(f"  {label:48s} {err:.4f}  {grown:.6f}  {u.abs().max().item():.3g}")
+
+    for k, d in first.items():
+        row(f"exp_avg {k}", update(d, v))
+    for k, d in second.items():
+        row(f"exp_avg_sq {k}", update(m, d))
+    pairs = [("ao-dyn flat128", "ao-lin flat128"), ("ao-dyn flat128", "ao-lin rank1")]
+    best_m = min(first, key=lambda k: (update(first[k], v) - exact).norm().item())
+    best_v = min(second, key=lambda k: (update(m, second[k]) - exact).norm().item())
+    pairs += [
+        (best_m, best_v),
+        ("s+E2M1 rows128", "E2M2 rows128"),
+        ("s+E2M1 rows256", "E2M2 rows256"),
+        ("s+E2M1 rows128", "E3M1 rows128"),
+        ("s+E2M1 rows128", "ao-lin rows128"),
+        ("ao-dyn flat128", "E2M2 rows128"),
+        ("lin7 rows128", "E4M0 rows128"),
+    ]
+    for a, b in pairs:
+        row(f"{a} + {b}", update(first[a], second[b]))
+    return 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--bits", type=int, choices=(8, 4), default=8,
+                    help="the candidates of 8-bit or of 4-bit code books")  # fmt: skip
     args = ap.parse_args(argv)
     env = environment(torch.device("cpu"))
     print(f"quant8_error: torch {env['torch']}, CPU {env.get('cpu_model')}")
     ms, vs, t = trained_moments(args.steps, args.seed)
+    if args.bits == 4:
+        return main4(args, ms, vs, t)
     m = torch.cat([x.flatten() for x in ms])
     v = torch.cat([x.flatten() for x in vs])
     b1, b2, eps = quality.HYPER["betas"][0], quality.HYPER["betas"][1], quality.HYPER["eps"]
