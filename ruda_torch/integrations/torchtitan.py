@@ -383,8 +383,12 @@ def _dcp_load(self, state_dict, checkpoint_id, from_hf, from_quantized):
     return _ORIGINAL["dcp_load"](self, state_dict, checkpoint_id, from_hf, from_quantized)
 
 
+# exact=True: a subclass of the container (torchtitan's experiments, e.g. torchft's) has a
+# contract of its own that ours does not keep; its config is left as it is (torchtitan then
+# warns that the override replaced nothing).
 @override(
     target=OptimizersContainer.Config,
+    exact=True,
     description="ruda_torch: one native AdamW pass with exact clipping, skipped bad steps, "
     "low-bit states",
 )
@@ -392,6 +396,4 @@ def adamw(cfg: OptimizersContainer.Config, **kwargs) -> RudaOptimizersContainer.
     """The override factory (``--override.imports ruda_torch.integrations.torchtitan.adamw``,
     keyword arguments ``adamw={"state_precision": "8bit"}``): torchtitan's optimizer config
     with its param groups, lr, betas, eps and weight decay, stepped by ruda_torch."""
-    if type(cfg) is RudaOptimizersContainer.Config:
-        cfg = derive(cfg, OptimizersContainer.Config)
     return derive(cfg, RudaOptimizersContainer.Config, ruda_kwargs=_check_kwargs(kwargs))

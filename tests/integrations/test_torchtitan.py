@@ -153,6 +153,23 @@ def test_the_flag_builds_ruda_torch_from_torchtitans_config():
     assert type(stock.build(model_parts=[debug_model()]).optimizers[0]) is torch.optim.AdamW
 
 
+def test_a_subclass_of_the_container_is_left_as_it_is():
+    """An experiment's own container (torchft's subclasses OptimizersContainer) keeps its
+    contract: the flag replaces torchtitan's stock optimizer config only."""
+    from dataclasses import dataclass
+
+    class Experiment(OptimizersContainer):
+        @dataclass(kw_only=True, slots=True)
+        class Config(OptimizersContainer.Config):
+            pass
+
+    cfg = ConfigManager().parse_args(["--module", "llama3", "--config", "llama3_debugmodel",
+                                      "--override.imports", FLAG])  # fmt: skip
+    cfg.optimizer = titan.derive(cfg.optimizer, Experiment.Config)
+    apply_overrides(cfg.override, cfg)
+    assert type(cfg.optimizer) is Experiment.Config
+
+
 @pytest.mark.parametrize(
     "kwargs, match",
     [({"max_grad_norm": 1.0}, "comes from training.max_norm"),
