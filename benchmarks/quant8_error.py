@@ -123,6 +123,26 @@ def trained_moments(steps: int, seed: int):
     return ms, vs, steps
 
 
+def report_moments(first: dict, second: dict, m, v, width: int) -> None:
+    """Each candidate's decoded moments against the exact ones: relative error of the
+    nonzero values (median, 99th percentile) and the fraction of them coded as zero."""
+
+    def report(name, decoded, exact_values):
+        nz = exact_values != 0
+        rel = (decoded[nz] - exact_values[nz]).abs() / exact_values[nz].abs()
+        zeroed = ((decoded == 0) & nz).double().mean().item()
+        p99 = rel.kthvalue(max(1, int(0.99 * rel.numel()))).values.item()
+        print(f"  {name:{width}s} median {rel.median().item():.4f}  p99 {p99:.4f}  "
+              f"coded as 0 {zeroed:.5f}")  # fmt: skip
+
+    print("exp_avg, relative error of nonzero values:")
+    for k, d in first.items():
+        report(k, d, m)
+    print("exp_avg_sq:")
+    for k, d in second.items():
+        report(k, d, v)
+
+
 # ---------------------------------------------------------------------------- 4 bits
 
 
@@ -185,17 +205,9 @@ def rank1(x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
     return coded(r, table, scale).flatten()
 
 
-def main4(args, ms, vs, t) -> int:
-    m = torch.cat([x.flatten() for x in ms])
-    v = torch.cat([x.flatten() for x in vs])
-    b1, b2, eps = quality.HYPER["betas"][0], quality.HYPER["betas"][1], quality.HYPER["eps"]
-    bc1, bc2 = 1 - b1**t, 1 - b2**t
-
-    def update(mm, vv):
-        return (mm / bc1) / ((vv / bc2).sqrt() + eps)
-
+def main4(ms, vs, m, v, update) -> int:
+    """The 4-bit candidates (``--bits 4``) on moments ``ms``, ``vs`` (concatenated: m, v)."""
     exact = update(m, v)
-    print(f"moments after {t} steps: {m.numel():,} elements in tensors of >= 4096")
     first, second = {}, {}
     for code in ("ao-dyn", "lin7", "lin-sqrt", "s+E2M1", "s+E3M0"):
         for block, rows in ((128, False), (128, True), (256, True)):
@@ -209,20 +221,7 @@ def main4(args, ms, vs, t) -> int:
             )
         second[f"{code} rank1"] = torch.cat([rank1(x, table4(code)) for x in vs])
 
-    def report(name, decoded, exact_values):
-        nz = exact_values != 0
-        rel = (decoded[nz] - exact_values[nz]).abs() / exact_values[nz].abs()
-        zeroed = ((decoded == 0) & nz).double().mean().item()
-        p99 = rel.kthvalue(max(1, int(0.99 * rel.numel()))).values.item()
-        print(f"  {name:22s} median {rel.median().item():.4f}  p99 {p99:.4f}  "
-              f"coded as 0 {zeroed:.5f}")  # fmt: skip
-
-    print("exp_avg, relative error of nonzero values:")
-    for k, d in first.items():
-        report(k, d, m)
-    print("exp_avg_sq:")
-    for k, d in second.items():
-        report(k, d, v)
+    report_moments(first, second, m, v, width=22)
     print("update from decoded moments (exp_avg with exact exp_avg_sq, exp_avg_sq with exact")
     print("exp_avg, then pairs): relative L2 error, fraction grown > 4x, largest |update|")
     print(f"  exact: largest |update| {exact.abs().max().item():.3g}")
@@ -263,8 +262,6 @@ def main(argv=None) -> int:
     env = environment(torch.device("cpu"))
     print(f"quant8_error: torch {env['torch']}, CPU {env.get('cpu_model')}")
     ms, vs, t = trained_moments(args.steps, args.seed)
-    if args.bits == 4:
-        return main4(args, ms, vs, t)
     m = torch.cat([x.flatten() for x in ms])
     v = torch.cat([x.flatten() for x in vs])
     b1, b2, eps = quality.HYPER["betas"][0], quality.HYPER["betas"][1], quality.HYPER["eps"]
@@ -273,8 +270,10 @@ def main(argv=None) -> int:
     def update(mm, vv):
         return (mm / bc1) / ((vv / bc2).sqrt() + eps)
 
-    exact = update(m, v)
     print(f"moments after {t} steps: {m.numel():,} elements in tensors of >= 4096")
+    if args.bits == 4:
+        return main4(ms, vs, m, v, update)
+    exact = update(m, v)
     first, second = {}, {}
     try:
         from torchao.optim.quant_utils import create_dynamic_map
@@ -292,20 +291,7 @@ def main(argv=None) -> int:
         first[name] = ours_per_tensor(ms, "signed", rows)
         second[name] = ours_per_tensor(vs, "unsigned", rows)
 
-    def report(name, decoded, exact_values):
-        nz = exact_values != 0
-        rel = (decoded[nz] - exact_values[nz]).abs() / exact_values[nz].abs()
-        zeroed = ((decoded == 0) & nz).double().mean().item()
-        p99 = rel.kthvalue(max(1, int(0.99 * rel.numel()))).values.item()
-        print(f"  {name:10s} median {rel.median().item():.4f}  p99 {p99:.4f}  "
-              f"coded as 0 {zeroed:.5f}")  # fmt: skip
-
-    print("exp_avg, relative error of nonzero values:")
-    for k, d in first.items():
-        report(k, d, m)
-    print("exp_avg_sq:")
-    for k, d in second.items():
-        report(k, d, v)
+    report_moments(first, second, m, v, width=10)
     print("update from decoded moments: relative L2 error, fraction grown > 4x, largest |update|")
     print(f"  exact: largest |update| {exact.abs().max().item():.3g}")
     pairs = [("dyn", "dyn")] if "dyn" in first else []
