@@ -110,7 +110,7 @@ def entry_where(prefix: str, index, names: dict) -> str:
 
 def found(value) -> str:
     """What a state entry holds where a tensor was expected, for a message: "a meta tensor
-    (torch.int16)", "a torch.float32 tensor", or the type's name."""
+    (torch.int16, which holds no values)", "a torch.float32 tensor", or the type's name."""
     if not isinstance(value, torch.Tensor):
         return type(value).__name__
     if value.is_meta:
