@@ -48,7 +48,7 @@ def main(argv=None) -> int:
              lambda ps: torch.optim.AdamW(ps, fused=True)),
             ("torch.optim.AdamW(fused=True), BF16 parameters (BF16 moments, no master)", bf16,
              lambda ps: torch.optim.AdamW(ps, fused=True))]  # fmt: skip
-    for precision in ("fp32", "bf16", "8bit"):
+    for precision in ("fp32", "bf16", "8bit", "4bit"):
         for master in (False, True, "remainder"):
             rows.append((
                 f"ours, BF16 parameters, state_precision={precision!r}, "

@@ -13,6 +13,8 @@ same initialization, batches and learning-rate schedule for every optimizer:
                      least 4,096 elements, as torchao's)
   torch              torch.optim.AdamW (FP32 moments)
   torchao_8bit       torchao.optim.AdamW8bit (where torchao is installed)
+  4bit               state_precision="4bit" (blockwise 4-bit moments, same threshold)
+  torchao_4bit       torchao.optim.AdamW4bit (where torchao is installed)
 
 and with the model's parameters in BF16 (forward, backward and gradients in BF16 too):
 
@@ -115,6 +117,10 @@ def make_optimizer(name: str, params):
         from torchao.optim import AdamW8bit
 
         return AdamW8bit(params, **HYPER)
+    if name == "torchao_4bit":
+        from torchao.optim import AdamW4bit
+
+        return AdamW4bit(params, **HYPER)
     if name == "bf16p_torch":
         return torch.optim.AdamW(params, **HYPER, fused=True)
     kw = dict(fused_step=True, rounding_seed=1)
@@ -130,8 +136,8 @@ def make_optimizer(name: str, params):
         kw["state_precision"] = "bf16"
     if name == "bf16_nearest":
         kw["state_rounding"] = "nearest"
-    if name == "8bit":
-        kw["state_precision"] = "8bit"
+    if name in ("8bit", "4bit"):
+        kw["state_precision"] = name
     return ruda_torch.AdamW(params, **HYPER, **kw)
 
 
@@ -230,7 +236,7 @@ def main(argv=None) -> int:
     seeds = [int(x) for x in args.seeds.split(",")]
     results, skipped = {}, {}
     for name in args.runs.split(","):
-        if name == "torchao_8bit":
+        if name.startswith("torchao_"):
             try:
                 import torchao.optim  # noqa: F401
             except ImportError as e:

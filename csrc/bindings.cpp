@@ -10,6 +10,7 @@
 
 #include "grad_stats.h"
 #include "kernels.h"
+#include "quant4.h"
 #include "quant8.h"
 
 namespace ruda {
@@ -83,6 +84,8 @@ const char* dtype_name(at::ScalarType t) {
       return "bfloat16";
     case at::kByte:
       return "uint8";
+    case at::kChar:
+      return "int8 (4-bit codes)";
     case at::kShort:
       return "int16";
     default:
@@ -102,7 +105,10 @@ void check_flat(const char* op, const at::Tensor& t, const char* name, const at:
 // Elements a flat moment buffer holds: its length, or for packed 8-bit moments (uint8
 // without separate `scales`, Note [8-bit moments] in csrc/quant8.h) the codes before the
 // scales.
+// 4-bit moments (int8 buffers of two codes per byte, Note [4-bit moments] in csrc/quant4.h)
+// hold two elements per byte.
 int64_t state_capacity(const at::Tensor& moments, const std::optional<at::Tensor>& scales) {
+  if (moments.scalar_type() == at::kChar) return 2 * moments.numel();
   if (moments.scalar_type() != at::kByte || scales.has_value()) return moments.numel();
   return moments.numel() / kPacked8 * kBlock8;
 }
@@ -204,6 +210,8 @@ DType dtype_of(at::ScalarType t) {
       return DType::kDouble;
     case at::kByte:
       return DType::kUInt8;
+    case at::kChar:
+      return DType::kNibble;
     default:
       return DType::kFloat;
   }
@@ -241,10 +249,29 @@ AdamWLaunch prepare_launch(const char* op, size_t n, const at::Device& device,
   const at::ScalarType sdtype = pdtype == at::kDouble                    ? at::kDouble
                                 : exp_avg.scalar_type() == at::kBFloat16 ? at::kBFloat16
                                 : exp_avg.scalar_type() == at::kByte     ? at::kByte
+                                : exp_avg.scalar_type() == at::kChar     ? at::kChar
                                                                          : at::kFloat;
   const int64_t capacity = state_capacity(exp_avg, scales);
   const int64_t n_moments = max_exp_avg_sq.has_value() ? 3 : 2;
-  if (sdtype == at::kByte && scales.has_value()) {
+  if (sdtype == at::kChar) {
+    // Note [4-bit moments] in csrc/quant4.h: CPU kernels only in this release.
+    TORCH_CHECK(device.is_cpu(), "ruda_torch.", op,
+                ": 4-bit moments (int8 buffers of two codes per byte, state_precision='4bit') "
+                "have CPU kernels only in this release; on ",
+                device, " use state_precision='8bit' (1 byte per element per moment) or 'bf16'");
+    TORCH_CHECK(scales.has_value() && exp_avg.numel() % (kBlock4 / 2) == 0, "ruda_torch.", op,
+                ": 4-bit moment buffers (int8) hold the codes of whole blocks of ", kBlock4,
+                " elements, two per byte (", kBlock4 / 2,
+                " bytes a block), with their scales "
+                "passed separately (got ",
+                exp_avg.numel(), " bytes", scales.has_value() ? "" : ", no scales", ")");
+    check_flat(op, *scales, "scales", device);
+    TORCH_CHECK(
+        scales->numel() >= n_moments * (capacity / kBlock4) && scales->numel() % n_moments == 0,
+        "ruda_torch.", op, ": scales must hold one run of float32 scales per moment (", n_moments,
+        " runs of equal length), each at least one per block of the state (",
+        n_moments * (capacity / kBlock4), " in all), got ", scales->numel());
+  } else if (sdtype == at::kByte && scales.has_value()) {
     TORCH_CHECK(exp_avg.numel() % kBlock8 == 0, "ruda_torch.", op,
                 ": with scales, 8-bit moment buffers (uint8) hold the codes of whole blocks of ",
                 kBlock8, " elements (got ", exp_avg.numel(), ")");
@@ -261,8 +288,8 @@ AdamWLaunch prepare_launch(const char* op, size_t n, const at::Device& device,
                 " bytes; see ruda_torch.ops.packed_8bit_bytes), or pass the scales separately");
   } else {
     TORCH_CHECK(!scales.has_value(), "ruda_torch.", op,
-                ": scales are for 8-bit (uint8) moments; exp_avg is ", dtype_name(sdtype),
-                " (pass scales=None)");
+                ": scales are for 8-bit (uint8) and 4-bit (int8) moments; exp_avg is ",
+                dtype_name(sdtype), " (pass scales=None)");
   }
   check_flat(op, exp_avg, "exp_avg", device, sdtype);
   check_flat(op, exp_avg_sq, "exp_avg_sq", device, sdtype);
@@ -361,7 +388,7 @@ AdamWLaunch prepare_launch(const char* op, size_t n, const at::Device& device,
   L.steps = steps.data_ptr<float>();
   L.state_dtype = dtype_of(sdtype);
   L.exp_avg_scales = L.exp_avg_sq_scales = L.max_exp_avg_sq_scales = nullptr;
-  if (sdtype == at::kByte && scales.has_value()) {  // one run of scales per moment
+  if ((sdtype == at::kByte || sdtype == at::kChar) && scales.has_value()) {  // a run per moment
     float* run = scales->data_ptr<float>();
     const int64_t blocks = scale_run_of(exp_avg, max_exp_avg_sq, scales);
     L.exp_avg_scales = run;
@@ -619,7 +646,11 @@ PreparedAdamW prepare_adamw(
   if (n > 0 && grads[0].defined()) check_update_grad_dtype(op, grads[0], pdtype);
   const int64_t* slot = slots.data_ptr<int64_t>();
   const int64_t state_numel = state_capacity(exp_avg, scales);
-  const bool blocks8 = exp_avg.scalar_type() == at::kByte;
+  // Blockwise moments: 8-bit (uint8) or 4-bit (int8, Note [4-bit moments]), each slice
+  // starting a block of `block` elements, with its scales.
+  const bool blocks4 = exp_avg.scalar_type() == at::kChar;
+  const bool blocks8 = exp_avg.scalar_type() == at::kByte || blocks4;
+  const int64_t block = blocks4 ? kBlock4 : kBlock8;
   const int64_t n_steps = steps.numel();
 
   prep.table.resize(n);
@@ -660,28 +691,31 @@ PreparedAdamW prepare_adamw(
                              numel % row == 0 && p.is_contiguous()),
                 "ruda_torch.", op, ": slots[", i, "] gives params[", i, "] rows of ", row,
                 " elements; a row length (column 2 of slots) is for 8-bit moments (uint8 "
-                "exp_avg) with separate scales, of a contiguous parameter whose element count (",
+                "exp_avg) with separate scales, or 4-bit ones (int8 exp_avg), of a contiguous "
+                "parameter whose element count (",
                 numel, ") it divides, below 2^31, or 0 for none");
-    const int64_t blocks =
-        row == 0 ? (numel + kBlock8 - 1) / kBlock8 : row_extent8(numel, row) / kBlock8;
-    TORCH_CHECK(off >= 0 && off <= state_numel - numel, "ruda_torch.", op, ": slots[", i,
-                "] puts params[", i, "] (", numel, " elements) at offset ", off,
+    const int64_t blocks = row == 0  ? (numel + block - 1) / block
+                           : blocks4 ? numel / row * row_stride4(row) / kBlock4
+                                     : row_extent8(numel, row) / kBlock8;
+    // The state elements the slice takes: 4-bit codes of rows of odd length take one more
+    // nibble a row (Note [4-bit row blocks] in csrc/quant4.h).
+    const int64_t extent = blocks4 ? code_extent4(numel, row) : numel;
+    TORCH_CHECK(off >= 0 && off <= state_numel - extent, "ruda_torch.", op, ": slots[", i,
+                "] puts params[", i, "] (", extent, " elements) at offset ", off,
                 ", outside the state buffers of ", state_numel, " elements");
     if (blocks8 && numel > 0) {
-      const int64_t first = row == 0 ? off / kBlock8 : scale_off;
+      const int64_t first = row == 0 ? off / block : scale_off;
       TORCH_CHECK(first >= 0 && first <= scale_run - blocks, "ruda_torch.", op, ": slots[", i,
                   "] puts the ", blocks, " scale(s) of params[", i, "] at ", first,
                   ", outside each moment's run of ", scale_run, " scales");
       scale_spans.emplace_back(first, first + blocks);
     }
-    TORCH_CHECK(!blocks8 || off % kBlock8 == 0, "ruda_torch.", op, ": slots[", i, "] puts params[",
-                i, "] at offset ", off,
-                "; with 8-bit moments every slice "
-                "starts a block of ",
-                kBlock8, " elements");
+    TORCH_CHECK(!blocks8 || off % block == 0, "ruda_torch.", op, ": slots[", i, "] puts params[", i,
+                "] at offset ", off, "; with ", blocks4 ? 4 : 8,
+                "-bit moments every slice starts a block of ", block, " elements");
     TORCH_CHECK(sid >= 0 && sid < n_steps, "ruda_torch.", op, ": slots[", i, "] step index ", sid,
                 " is outside steps (", n_steps, " counters)");
-    if (numel > 0) slices.emplace_back(off, off + numel);
+    if (numel > 0) slices.emplace_back(off, off + extent);
     step_ids[i] = sid;
     written.push_back(span_of(p, "params", i));
     read_only.push_back(span_of(grads[i], "grads", i));
@@ -694,13 +728,13 @@ PreparedAdamW prepare_adamw(
     e.unit_start = units;
     e.row = row;
     e.scale_offset = scale_off;
-    units += (state_extent(e) + unit - 1) / unit;
+    units += ((blocks4 ? state_extent4(e) : state_extent(e)) + unit - 1) / unit;
   }
   std::sort(scale_spans.begin(), scale_spans.end());
   for (size_t i = 1; i < scale_spans.size(); ++i) {
     TORCH_CHECK(scale_spans[i].first >= scale_spans[i - 1].second, "ruda_torch.", op,
-                ": two parameters share 8-bit scales (from ", scale_spans[i - 1].first, " and ",
-                scale_spans[i].first, "); check slots");
+                ": two parameters share ", blocks4 ? "4-bit" : "8-bit", " scales (from ",
+                scale_spans[i - 1].first, " and ", scale_spans[i].first, "); check slots");
   }
   std::sort(slices.begin(), slices.end());
   for (size_t i = 1; i < slices.size(); ++i) {
@@ -824,19 +858,23 @@ void check_code8(const char* op, int64_t code) {
               ": code must be 0 (signed: exp_avg) or 1 (unsigned: exp_avg_sq), got ", code);
 }
 
-// codes: contiguous uint8 of n elements; scales: contiguous float32 of one per block.
+// codes: contiguous uint8 of n elements (8 bits) or ceil(n / 2) (4 bits, two per byte);
+// scales: contiguous float32 of one per block.
 void check_codes8(const char* op, const at::Tensor& codes, const at::Tensor& scales, int64_t n,
-                  const at::Device& device) {
-  TORCH_CHECK(codes.scalar_type() == at::kByte && codes.is_contiguous() && codes.numel() == n,
-              "ruda_torch.", op, ": codes must be a contiguous uint8 tensor of ", n,
-              " elements (got ", codes.scalar_type(), " ", shape_str(codes),
+                  const at::Device& device, int bits = 8) {
+  const int64_t bytes = bits == 4 ? (n + 1) / 2 : n;
+  TORCH_CHECK(codes.scalar_type() == at::kByte && codes.is_contiguous() && codes.numel() == bytes,
+              "ruda_torch.", op, ": codes must be a contiguous uint8 tensor of ", bytes,
+              bits == 4 ? " bytes (two 4-bit codes per byte)" : " elements", " (got ",
+              codes.scalar_type(), " ", shape_str(codes),
               codes.is_contiguous() ? "" : ", not contiguous", ")");
-  const int64_t blocks = (n + kBlock8 - 1) / kBlock8;
+  const int64_t block = bits == 4 ? kBlock4 : kBlock8;
+  const int64_t blocks = (n + block - 1) / block;
   TORCH_CHECK(
       scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.numel() == blocks,
       "ruda_torch.", op, ": scales must be a contiguous float32 tensor of ", blocks,
-      " elements, one per block of ", kBlock8, " (got ", scales.scalar_type(), " ",
-      shape_str(scales), scales.is_contiguous() ? "" : ", not contiguous", ")");
+      " elements, one per block of ", block, " (got ", scales.scalar_type(), " ", shape_str(scales),
+      scales.is_contiguous() ? "" : ", not contiguous", ")");
   TORCH_CHECK(blocks <= std::numeric_limits<int32_t>::max(), "ruda_torch.", op, ": ", n,
               " elements are more blocks than one launch takes");
   check_same_device(op, codes, "codes", device);
@@ -846,13 +884,13 @@ void check_codes8(const char* op, const at::Tensor& codes, const at::Tensor& sca
 }  // namespace
 
 Quant8Launch prepare_quantize_8bit(const at::Tensor& x, const at::Tensor& codes,
-                                   const at::Tensor& scales, int64_t code) {
-  const char* op = "quantize_8bit";
+                                   const at::Tensor& scales, int64_t code, int bits) {
+  const char* op = bits == 4 ? "quantize_4bit" : "quantize_8bit";
   check_code8(op, code);
   TORCH_CHECK(x.scalar_type() == at::kFloat && x.is_contiguous(), "ruda_torch.", op,
               ": x must be a contiguous float32 tensor (got ", x.scalar_type(), " ", shape_str(x),
               x.is_contiguous() ? "" : ", not contiguous", "; pass x.contiguous())");
-  check_codes8(op, codes, scales, x.numel(), x.device());
+  check_codes8(op, codes, scales, x.numel(), x.device(), bits);
   check_no_aliasing(op, {span_of(codes, "codes"), span_of(scales, "scales")}, {span_of(x, "x")});
   return Quant8Launch{x.data_ptr<float>(),
                       codes.data_ptr<uint8_t>(),
@@ -863,13 +901,13 @@ Quant8Launch prepare_quantize_8bit(const at::Tensor& x, const at::Tensor& codes,
 }
 
 Quant8Launch prepare_dequantize_8bit(const at::Tensor& codes, const at::Tensor& scales,
-                                     const at::Tensor& out, int64_t code) {
-  const char* op = "dequantize_8bit";
+                                     const at::Tensor& out, int64_t code, int bits) {
+  const char* op = bits == 4 ? "dequantize_4bit" : "dequantize_8bit";
   check_code8(op, code);
   TORCH_CHECK(out.scalar_type() == at::kFloat && out.is_contiguous(), "ruda_torch.", op,
               ": out must be a contiguous float32 tensor (got ", out.scalar_type(), " ",
               shape_str(out), out.is_contiguous() ? "" : ", not contiguous", ")");
-  check_codes8(op, codes, scales, out.numel(), out.device());
+  check_codes8(op, codes, scales, out.numel(), out.device(), bits);
   check_no_aliasing(op, {span_of(out, "out")},
                     {span_of(codes, "codes"), span_of(scales, "scales")});
   return Quant8Launch{nullptr,

@@ -61,11 +61,12 @@ int64_t check_merge(const at::Tensor& rows, const at::Tensor& out);
 int64_t check_merge_chunks(const at::Tensor& reports, const at::Tensor& out);
 
 // Validates quantize_8bit's / dequantize_8bit's arguments (Note [8-bit moments] in
-// csrc/quant8.h) and fills the launch (data pointers of the given tensors).
+// csrc/quant8.h), or with bits = 4 quantize_4bit's / dequantize_4bit's (Note [4-bit
+// moments] in csrc/quant4.h), and fills the launch (data pointers of the given tensors).
 Quant8Launch prepare_quantize_8bit(const at::Tensor& x, const at::Tensor& codes,
-                                   const at::Tensor& scales, int64_t code);
+                                   const at::Tensor& scales, int64_t code, int bits = 8);
 Quant8Launch prepare_dequantize_8bit(const at::Tensor& codes, const at::Tensor& scales,
-                                     const at::Tensor& out, int64_t code);
+                                     const at::Tensor& out, int64_t code, int bits = 8);
 
 // Note [Flat gradient buckets] (ruda_torch/_fused.py has the Python side)
 // A bucket whose gradients are views of one flat buffer laid out like its state: the

@@ -23,10 +23,12 @@ void merge_gradient_stats_cpu(const float* rows, int64_t n_rows, float* out);
 void merge_gradient_stats_chunks_cpu(const float* reports, int64_t n_reports, float* out);
 void quantize_8bit_cpu(const Quant8Launch& launch);
 void dequantize_8bit_cpu(const Quant8Launch& launch);
+void quantize_4bit_cpu(const Quant8Launch& launch);
+void dequantize_4bit_cpu(const Quant8Launch& launch);
 
 // What an ISA module hands to `_C` (a capsule named kCpuKernelsCapsule). `abi` guards
 // against a module from another build of the package.
-constexpr int kCpuKernelsAbi = 2;
+constexpr int kCpuKernelsAbi = 3;
 constexpr const char* kCpuKernelsCapsule = "ruda_torch.CpuKernels";
 struct CpuKernels {
   int abi;
@@ -37,6 +39,8 @@ struct CpuKernels {
   void (*merge_gradient_stats_chunks)(const float*, int64_t, float*);
   void (*quantize_8bit)(const Quant8Launch&);
   void (*dequantize_8bit)(const Quant8Launch&);
+  void (*quantize_4bit)(const Quant8Launch&);
+  void (*dequantize_4bit)(const Quant8Launch&);
 };
 
 #ifdef RUDA_TORCH_WITH_CUDA

@@ -7,6 +7,7 @@
 
 #include "grad_stats.h"
 #include "py_records.h"
+#include "quant4.h"
 #include "quant8.h"
 
 namespace ruda {  // csrc/cpu/dispatch.cpp
@@ -60,5 +61,6 @@ extern "C" PyObject* PyInit__C(void) {
   PyModule_AddIntConstant(m, "stats_chunk", ruda::kStatsChunk);
   PyModule_AddIntConstant(m, "merge_fan_in", ruda::kMergeFanIn);
   PyModule_AddIntConstant(m, "block_8bit", ruda::kBlock8);
+  PyModule_AddIntConstant(m, "block_4bit", ruda::kBlock4);
   return m;
 }

@@ -19,7 +19,8 @@ TORCH_LIBRARY(ruda_torch, m) {
   // L2 decay, weight_decay * param added to the gradient (Note [Weight decay modes]).
   // 8-bit (uint8) moments: packed, each buffer its codes then its scales, or with
   // `scales` the codes alone and the scales of all moments in `scales`, one run each
-  // (Note [8-bit moments] in csrc/quant8.h).
+  // (Note [8-bit moments] in csrc/quant8.h). 4-bit moments: int8 buffers of two codes per
+  // byte, with `scales` (Note [4-bit moments] in csrc/quant4.h; CPU only).
   m.def(
       "adamw_scaled_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!) exp_avg, "
       "Tensor(c!) exp_avg_sq, Tensor(d!)? max_exp_avg_sq, Tensor(e!) steps, Tensor slots, "
@@ -49,6 +50,10 @@ TORCH_LIBRARY(ruda_torch, m) {
   // (exp_avg), 1 unsigned (exp_avg_sq). dequantize_8bit writes the decoded values to out.
   m.def("quantize_8bit(Tensor x, Tensor(a!) codes, Tensor(b!) scales, int code) -> ()");
   m.def("dequantize_8bit(Tensor codes, Tensor scales, Tensor(a!) out, int code) -> ()");
+  // Blockwise 4-bit codes (Note [4-bit moments] in csrc/quant4.h): `codes` (uint8, two per
+  // byte, ceil(n / 2) bytes) and `scales` (float32, one per block of 128) := x's.
+  m.def("quantize_4bit(Tensor x, Tensor(a!) codes, Tensor(b!) scales, int code) -> ()");
+  m.def("dequantize_4bit(Tensor codes, Tensor scales, Tensor(a!) out, int code) -> ()");
 }
 
 // No silent fallback: tensors that no kernel of this build can take get an error that
@@ -91,10 +96,15 @@ void reject_cuda(const c10::OperatorHandle& op, torch::jit::Stack*) {
 }
 #endif
 
-constexpr const char* kOps[] = {
-    "adamw_scaled_",        "check_adamw_scaled",          "analyze_gradient",
-    "merge_gradient_stats", "merge_gradient_stats_chunks", "quantize_8bit",
-    "dequantize_8bit"};
+constexpr const char* kOps[] = {"adamw_scaled_",
+                                "check_adamw_scaled",
+                                "analyze_gradient",
+                                "merge_gradient_stats",
+                                "merge_gradient_stats_chunks",
+                                "quantize_8bit",
+                                "dequantize_8bit",
+                                "quantize_4bit",
+                                "dequantize_4bit"};
 
 }  // namespace
 

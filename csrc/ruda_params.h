@@ -41,7 +41,15 @@ static_assert(sizeof(TensorEntry) == kTableWords * sizeof(int64_t),
 // Element types of parameters and gradients. Statistics take the first three; the update
 // takes FP64 parameters with FP64 gradients (Note [Parameter dtypes] in adamw_math.h).
 // kUInt8: 8-bit moment buffers (Note [8-bit moments] in csrc/quant8.h), never parameters.
-enum class DType : int32_t { kFloat = 0, kHalf = 1, kBFloat16 = 2, kDouble = 3, kUInt8 = 4 };
+// kNibble: 4-bit moment buffers, two codes per byte (Note [4-bit moments] in csrc/quant4.h).
+enum class DType : int32_t {
+  kFloat = 0,
+  kHalf = 1,
+  kBFloat16 = 2,
+  kDouble = 3,
+  kUInt8 = 4,
+  kNibble = 5
+};
 
 // How an update computed in FP32 is written into a 16-bit parameter.
 enum class Rounding : int32_t { kNearestEven = 0, kStochastic = 1 };
@@ -125,7 +133,8 @@ struct StatsLaunch {
 };
 
 // quantize_8bit / dequantize_8bit (Note [8-bit moments] in csrc/quant8.h): n elements in
-// blocks of kBlock8, one scale per block.
+// blocks of kBlock8, one scale per block; quantize_4bit / dequantize_4bit (Note [4-bit
+// moments] in csrc/quant4.h): blocks of kBlock4, `codes` ceil(n / 2) bytes.
 struct Quant8Launch {
   const float* x;  // quantize: the values (n); dequantize: null
   uint8_t* codes;  // n bytes (dequantize reads them)

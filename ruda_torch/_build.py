@@ -106,6 +106,7 @@ use_cpu_isa(CPU_ISA)
 STATS_CHUNK: int = _C.stats_chunk
 MERGE_FAN_IN: int = _C.merge_fan_in
 BLOCK_8BIT: int = _C.block_8bit  # elements per block of 8-bit codes (kBlock8, csrc/quant8.h)
+BLOCK_4BIT: int = _C.block_4bit  # elements per block of 4-bit codes (kBlock4, csrc/quant4.h)
 
 BUILD_HINT = (
     "Rebuild with a CUDA build of torch and a CUDA toolkit: "

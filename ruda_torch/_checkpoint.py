@@ -8,8 +8,10 @@ from collections.abc import Mapping
 
 import torch
 
-from ._common import EIGHT_BIT_KEYS, MASTER_KEYS, STATE_KEYS, codes_key, local, scales_key
-from ._state8bit import accepted_shapes, decoded_pair, scales_layouts
+from ._common import CODED_KEYS, MASTER_KEYS, STATE_KEYS, codes_key, local, scales_key
+from ._state4bit import FORMAT as FOUR
+from ._state8bit import FORMAT as EIGHT
+from ._state8bit import accepted_shapes, scales_layouts
 
 # Note [Checkpoint templates]
 # DCP loads a checkpoint into the tensors of the state dict it is given, read by name and
@@ -95,11 +97,11 @@ def _matched(node: Mapping, prefix: str, saved: dict) -> dict:
 
 
 # What a state entry holds, by key (Note [Checkpoint templates]).
-_ENTRY_KEYS = ("step", *STATE_KEYS, *EIGHT_BIT_KEYS, *MASTER_KEYS)
+_ENTRY_KEYS = ("step", *STATE_KEYS, *CODED_KEYS, *MASTER_KEYS)
 
 
 def _is_entry(node: Mapping) -> bool:
-    return any(k in node for k in (*STATE_KEYS, *EIGHT_BIT_KEYS))
+    return any(k in node for k in (*STATE_KEYS, *CODED_KEYS))
 
 
 def _flat_entries(node: Mapping) -> dict:
@@ -269,20 +271,26 @@ def in_layout_of(p: torch.Tensor, entry: Mapping, keys) -> dict:
         value = entry.get(key)
         if not isinstance(value, torch.Tensor):
             continue
-        moment = next((k for k in STATE_KEYS if key in (codes_key(k), scales_key(k))), None)
-        if moment is None:
+        found = next(
+            ((k, fmt) for k in STATE_KEYS for fmt in (EIGHT, FOUR)
+             if key in (fmt.codes_key(k), fmt.scales_key(k))),
+            None,
+        )  # fmt: skip
+        if found is None:
             values[key] = local(_to_layout(value, p))
             continue
-        if moment in pairs:
+        moment, fmt = found
+        if (moment, fmt.name) in pairs:
             continue
-        pairs.add(moment)
-        codes, scales = entry.get(codes_key(moment)), entry.get(scales_key(moment))
+        pairs.add((moment, fmt.name))
+        ck, sk = fmt.codes_key(moment), fmt.scales_key(moment)
+        codes, scales = entry.get(ck), entry.get(sk)
         if not isinstance(codes, torch.Tensor) or not isinstance(scales, torch.Tensor):
             continue  # check_state_entry refused it already
         if _same_layout(codes, p):
-            values[codes_key(moment)], values[scales_key(moment)] = local(codes), local(scales)
+            values[ck], values[sk] = local(codes), local(scales)
         else:
-            values[moment] = local(_to_layout(decoded_pair(codes, scales, moment), p))
+            values[moment] = local(_to_layout(fmt.decoded(codes, scales, moment), p))
     return values
 
 

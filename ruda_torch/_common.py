@@ -72,11 +72,30 @@ def pair_keys(moments) -> tuple[str, ...]:
 
 EIGHT_BIT_KEYS = pair_keys(STATE_KEYS)
 
+
+# The keys of a 4-bit moment's pair (Note [4-bit state entries] in ruda_torch/_state4bit.py):
+# names of their own, so that a pair's format is never guessed from its shapes.
+def codes4_key(key: str) -> str:
+    return key + "_codes4"
+
+
+def scales4_key(key: str) -> str:
+    return key + "_scales4"
+
+
+def pair4_keys(moments) -> tuple[str, ...]:
+    return tuple(k for key in moments for k in (codes4_key(key), scales4_key(key)))
+
+
+FOUR_BIT_KEYS = pair4_keys(STATE_KEYS)
+# Every key of a moment in a coded form (8-bit or 4-bit pairs).
+CODED_KEYS = EIGHT_BIT_KEYS + FOUR_BIT_KEYS
+
 # ---- option values checked in more than one module (docs/usage.md has their meaning)
 
-STATE_PRECISIONS = ("fp32", "bf16", "8bit")
+STATE_PRECISIONS = ("fp32", "bf16", "8bit", "4bit")
 STATE_ROUNDINGS = ("stochastic", "nearest")
-# state_precision="8bit": parameters with fewer elements keep FP32 moments.
+# state_precision="8bit" or "4bit": parameters with fewer elements keep FP32 moments.
 MIN_8BIT_SIZE = 4096
 
 

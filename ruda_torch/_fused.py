@@ -64,30 +64,26 @@ for both kinds of bucket; only where the gradients are read from differs.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from . import _C, ops
-from ._build import BLOCK_8BIT
 from ._common import (
     MASTER_KEY,
     MASTER_KEYS,
     REMAINDER_KEY,
     STATE_KEYS,
+    codes4_key,
     codes_key,
     is_dense,
     local,
     own,
-    pair_keys,
+    scales4_key,
     scales_key,
 )
 from ._remainder import master_from_remainder, remainder_of_master
-from ._state8bit import (
-    blocks_of_8bit,
-    moment_code,
-    moment_values,
-    pair_format,
-    wrap_scales,
-)
+from ._state8bit import coded_format, moment_values, wrap_scales
 from ._validate import check_flat_grad_dtype
 from .distributed import LOCAL
 from .stats_plan import MAX_ROWS, StatsPlan, row_pieces
@@ -101,7 +97,10 @@ def state_dtype_of(param_dtype: torch.dtype, precision: str) -> torch.dtype:
     states] in csrc/adamw_math.h; uint8: Note [8-bit buckets])."""
     if param_dtype == torch.float64:
         return torch.float64
-    return {"bf16": torch.bfloat16, "8bit": torch.uint8}.get(precision, torch.float32)
+    coded = coded_format(precision)
+    if coded is not None:
+        return coded.state_dtype
+    return torch.bfloat16 if precision == "bf16" else torch.float32
 
 
 class Bucket:
@@ -125,33 +124,38 @@ class Bucket:
         self.device = self.locals[0].device if params else torch.device("cpu")
         self.dtype = self.locals[0].dtype if params else torch.float32
         self.precision = precision  # Note [Low-precision states] in csrc/adamw_math.h
-        self.eight_bit = precision == "8bit" and self.dtype != torch.float64
-        align = BLOCK_8BIT if self.eight_bit else _ALIGN
-        # With 8-bit moments, each slot's rows (Note [8-bit row blocks] in csrc/quant8.h):
+        # Blockwise codes (8-bit or 4-bit moments): the format's object answers what the
+        # layout needs (ruda_torch/_state8bit.py, _state4bit.py); None for values.
+        self.coded = coded_format(precision) if self.dtype != torch.float64 else None
+        self.eight_bit = self.coded is not None  # coded moments (8 or 4 bits)
+        coded = self.coded
+        align = coded.block if coded else _ALIGN
+        # With coded moments, each slot's rows (Note [8-bit row blocks] in csrc/quant8.h):
         # their length where they are not whole blocks (0: the flat tensor's blocks), and
         # its scales (one per block).
-        self.rows8 = [ops.ragged_row_8bit(t.shape) if self.eight_bit else 0 for t in self.locals]
-        self.blocks = [blocks_of_8bit(t) if self.eight_bit else 0 for t in self.locals]
+        self.rows8 = [coded.ragged_row(t.shape) if coded else 0 for t in self.locals]
+        self.blocks = [math.prod(coded.scales_shape(t.shape)) if coded else 0 for t in self.locals]
         offsets, total = [], 0
         for t in self.locals:
             offsets.append(total)
             total += -(-t.numel() // align) * align
         self.offsets = offsets
         self.capacity = total  # state elements of each moment buffer
-        # Each moment's run of scales: a flat slot's at its offset / BLOCK_8BIT, then those
-        # of the slots whose rows are not whole blocks, one after another.
-        self.scale_offsets, run = [], total // BLOCK_8BIT if self.eight_bit else 0
+        # Each moment's run of scales: a flat slot's at its offset / block, then those of
+        # the slots whose rows are not whole blocks, one after another.
+        self.scale_offsets, run = [], total // align if coded else 0
         for i, off in enumerate(offsets):
-            self.scale_offsets.append(run if self.rows8[i] else off // BLOCK_8BIT)
+            self.scale_offsets.append(run if self.rows8[i] else off // align)
             run += self.blocks[i] if self.rows8[i] else 0
         self.scale_run = run
         state_dtype = state_dtype_of(self.dtype, precision)
         opts = dict(dtype=state_dtype, device=self.device)
-        self.exp_avg = torch.zeros(total, **opts)
-        self.exp_avg_sq = torch.zeros(total, **opts)
-        self.max_exp_avg_sq = torch.zeros(total, **opts) if amsgrad else None
+        length = total // coded.per_byte if coded else total  # 4 bits: two per byte
+        self.exp_avg = torch.zeros(length, **opts)
+        self.exp_avg_sq = torch.zeros(length, **opts)
+        self.max_exp_avg_sq = torch.zeros(length, **opts) if amsgrad else None
         self.scales = None
-        if self.eight_bit:
+        if coded:
             runs = 3 if amsgrad else 2
             self.scales = torch.zeros(runs * self.scale_run, dtype=torch.float32,
                                       device=self.device)  # fmt: skip
@@ -229,9 +233,11 @@ class Bucket:
     @property
     def managed_keys(self) -> tuple[str, ...]:
         """The state keys whose values live in this bucket: each moment under its own
-        name, or as its 8-bit pair (Note [8-bit state entries] in ruda_torch/_state8bit.py)."""
-        if self.eight_bit:
-            keys = list(pair_keys(self.moments))
+        name, or as its coded pair (Note [8-bit state entries] in ruda_torch/_state8bit.py,
+        Note [4-bit state entries] in ruda_torch/_state4bit.py)."""
+        if self.coded:
+            keys = [k for key in self.moments
+                    for k in (self.coded.codes_key(key), self.coded.scales_key(key))]  # fmt: skip
         else:
             keys = list(self.moments)
         return ("step", *keys) if self.master is None else ("step", *keys, self.master_key)
@@ -246,9 +252,13 @@ class Bucket:
             other = (REMAINDER_KEY,)
         else:
             other = tuple(k for k in MASTER_KEYS if k != self.master_key)
-        if self.eight_bit:
-            return (*self.moments, *other)
-        return (*pair_keys(self.moments), *other)
+        forms = (
+            *self.moments,
+            *(k for key in self.moments for k in (codes_key(key), scales_key(key))),
+            *(k for key in self.moments for k in (codes4_key(key), scales4_key(key))),
+        )
+        mine = set(self.managed_keys)
+        return (*(k for k in forms if k not in mine), *other)
 
     def can_serve(
         self, params: list, scope, amsgrad: bool, master, flat: bool, precision: str
@@ -282,13 +292,15 @@ class Bucket:
         return flat.as_strided(t.shape, t.stride())
 
     def _pair(self, key: str, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Slot i of 8-bit moment ``key`` as tensors of their own: its codes shaped like the
-        (local) parameter, contiguous, and its scales, of ops.scales_shape_8bit of its shape
-        (Note [8-bit row blocks] in csrc/quant8.h)."""
-        t = self.locals[i]
-        codes = own(getattr(self, key), self.offsets[i], t.shape)
+        """Slot i of coded moment ``key`` as tensors of their own: its uint8 codes (shaped
+        like the (local) parameter for 8 bits, two per byte for 4: the format's
+        codes_shape), contiguous, and its scales, of the format's scales_shape (Note [8-bit
+        row blocks] in csrc/quant8.h)."""
+        t, coded = self.locals[i], self.coded
+        codes = own(getattr(self, key).view(torch.uint8), self.offsets[i] // coded.per_byte,
+                    coded.codes_shape(t.shape))  # fmt: skip
         run = STATE_KEYS.index(key) * self.scale_run
-        scales = own(self.scales, run + self.scale_offsets[i], ops.scales_shape_8bit(t.shape))
+        scales = own(self.scales, run + self.scale_offsets[i], coded.scales_shape(t.shape))
         return codes, scales
 
     def scales_for(self, amsgrad: bool) -> torch.Tensor | None:
@@ -433,8 +445,8 @@ class Bucket:
             buf = getattr(self, key)
             if buf is None:
                 continue
-            if self.eight_bit:
-                self._write_8bit(i, key, values)
+            if self.coded:
+                self._write_coded(i, key, values)
                 continue
             src = moment_values(values, key)
             if src is None:
@@ -458,18 +470,19 @@ class Bucket:
             self.versions[i] = None
         self.zeroed[i] = False
 
-    def _write_8bit(self, i: int, key: str, values: dict) -> None:
-        """Slot i of 8-bit moment ``key`` := ``values``' one: codes and scales copied when
-        their blocks are the rows' (Note [8-bit state entries]; whatever the codes'
-        strides), else the moment's values quantized (an FP32 moment, or the earlier
+    def _write_coded(self, i: int, key: str, values: dict) -> None:
+        """Slot i of coded moment ``key`` := ``values``' one: codes and scales copied when
+        they are this format's pair with the slot's blocks (Note [8-bit state entries]
+        and Note [4-bit state entries]; whatever the codes' strides), else the moment's
+        values quantized (an FP32 moment, the other format's pair or the earlier 8-bit
         format's codes decoded first: Note [8-bit blocks on every mesh]); zeros when there
         is none."""
+        coded = self.coded
         codes, scales = self._pair(key, i)
-        src_codes = values.get(codes_key(key))
+        src_codes = values.get(coded.codes_key(key))
         if src_codes is not None:
-            src_scales = values[scales_key(key)]
-            form = pair_format(src_codes, src_scales)
-            if form == "rows" or _flat_blocks_are_rows(src_codes):
+            src_scales = values[coded.scales_key(key)]
+            if coded.same_blocks(src_codes, src_scales):
                 codes.copy_(src_codes)
                 scales.view(-1).copy_(src_scales.reshape(-1)[: self.blocks[i]])
                 return
@@ -478,7 +491,7 @@ class Bucket:
             codes.zero_()
             scales.zero_()
             return
-        new_codes, new_scales = ops.quantize_8bit(local(src).to(torch.float32), moment_code(key))
+        new_codes, new_scales = coded.quantize(local(src).to(torch.float32), key)
         codes.copy_(new_codes)
         scales.copy_(new_scales)
 
@@ -521,10 +534,10 @@ class Bucket:
             if key == "max_exp_avg_sq" and not with_max:
                 continue
             buf = getattr(self, key)
-            if self.eight_bit:
+            if self.coded:
                 codes, scales = self._pair(key, i)
-                views[codes_key(key)] = _wrap_like(codes, p)
-                views[scales_key(key)] = wrap_scales(scales, p)
+                views[self.coded.codes_key(key)] = _wrap_like(codes, p, self.coded)
+                views[self.coded.scales_key(key)] = wrap_scales(scales, p, self.coded)
             else:
                 views[key] = _wrap_like(self._own_slice(buf, i), p)
         if self.master is not None:
@@ -596,20 +609,19 @@ def _same(a, b) -> bool:
     return a is b
 
 
-def _flat_blocks_are_rows(codes: torch.Tensor) -> bool:
-    """Whether the blocks of the earlier 8-bit format (of the codes' memory order) are those
-    of the rows (Note [8-bit row blocks] in csrc/quant8.h): then its codes and scales load
-    as they are."""
-    return codes.is_contiguous() and not ops.ragged_row_8bit(codes.shape)
-
-
-def _wrap_like(local_view: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+def _wrap_like(local_view: torch.Tensor, p: torch.Tensor, coded=None) -> torch.Tensor:
     """State for a DTensor parameter is a DTensor with the parameter's mesh and
-    placements around the local slice; for a plain tensor it is the slice itself."""
+    placements around the local slice (of the codes' global shape for coded moments:
+    the format's codes_shape); for a plain tensor it is the slice itself."""
     if not hasattr(p, "device_mesh"):
         return local_view
     from torch.distributed.tensor import DTensor
 
+    if coded is not None and coded.per_byte != 1:
+        shape = coded.codes_shape(p.shape)
+        stride = torch.empty(shape, device="meta").stride()
+        return DTensor.from_local(local_view, p.device_mesh, p.placements, run_check=False,
+                                  shape=shape, stride=stride)  # fmt: skip
     return DTensor.from_local(
         local_view, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride()
     )

@@ -191,7 +191,7 @@ def check_group_options(group: dict, gi) -> None:
     if isinstance(size, bool) or not isinstance(size, int) or size < 0:
         raise ValueError(
             f"min_8bit_size must be a non-negative int{where} (parameters with fewer elements "
-            f"keep FP32 moments under state_precision='8bit'), got {size!r}"
+            f"keep FP32 moments under state_precision='8bit' or '4bit'), got {size!r}"
         )
     if group.get("state_rounding", "stochastic") not in STATE_ROUNDINGS:
         raise ValueError(

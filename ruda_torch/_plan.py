@@ -58,7 +58,7 @@ import torch
 
 from . import _C
 from ._checkpoint import in_layout_of
-from ._common import EIGHT_BIT_KEYS, MASTER_KEYS, MIN_8BIT_SIZE, STATE_KEYS, local, master_kind
+from ._common import CODED_KEYS, MASTER_KEYS, MIN_8BIT_SIZE, STATE_KEYS, local, master_kind
 from ._fused import Bucket
 from ._options import check_fused_param, check_group_options
 from ._state8bit import bucket_precision, check_mesh_8bit, moment_format
@@ -148,8 +148,15 @@ def split_group(opt, gi: int, group: dict, needs_global: bool) -> list:
         scope = scope_of(p, opt.process_group, needs_global, f"param group {gi} parameter {j}",
                          opt.partition_group)  # fmt: skip
         precision = bucket_precision(p, group)
-        if precision == "8bit":
-            check_mesh_8bit(p, f"param group {gi} parameter {j}")
+        if precision in ("8bit", "4bit"):
+            check_mesh_8bit(p, f"param group {gi} parameter {j}", int(precision[0]))
+        if precision == "4bit" and local(p).device.type != "cpu":
+            raise ValueError(
+                f"param group {gi} parameter {j} is on {local(p).device}: "
+                "state_precision='4bit' has CPU kernels only in this release "
+                "(Note [4-bit moments] in csrc/quant4.h); use state_precision='8bit' (or "
+                "'bf16') for parameters on an accelerator"
+            )
         key = (local(p).device, p.dtype, scope, precision)
         by_key.setdefault(key, (scope, precision, [], []))
         by_key[key][2].append(p)
@@ -217,7 +224,7 @@ def derive(opt, previous: FusedPlan | None, needs_global: bool) -> FusedPlan:
     staged = []
     for b, i, p, entry, step, with_max in adopt:
         # Local tensors in p's layout (Note [Entries in another layout]).
-        values = in_layout_of(p, entry, (*STATE_KEYS, *EIGHT_BIT_KEYS, *MASTER_KEYS))
+        values = in_layout_of(p, entry, (*STATE_KEYS, *CODED_KEYS, *MASTER_KEYS))
         for key, value in values.items():
             if value.untyped_storage().data_ptr() in kept_memory:
                 values[key] = value.clone()

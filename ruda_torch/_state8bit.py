@@ -10,12 +10,13 @@ from collections.abc import Mapping
 import torch
 
 from . import ops
-from ._build import BLOCK_8BIT
+from ._build import BLOCK_4BIT, BLOCK_8BIT
 from ._common import (
-    EIGHT_BIT_KEYS,
+    CODED_KEYS,
     MIN_8BIT_SIZE,
     STATE_KEYS,
     check_shape,
+    codes4_key,
     codes_key,
     entry_names,
     entry_where,
@@ -23,8 +24,11 @@ from ._common import (
     is_dense,
     local,
     own,
+    scales4_key,
     scales_key,
 )
+from ._state4bit import FORMAT as FOUR
+from ._state4bit import check_4bit, decoded_4bit
 
 # Note [8-bit buckets]
 # With state_precision="8bit" a parameter of at least ``min_8bit_size`` elements (a group
@@ -44,13 +48,17 @@ from ._common import (
 
 def bucket_precision(p: torch.Tensor, group: dict) -> str:
     """The moment storage of ``p``'s bucket in ``group`` (Note [8-bit buckets]; a sharded
-    1-D parameter keeps FP32 moments: Note [8-bit blocks on every mesh])."""
+    1-D parameter keeps FP32 moments: Note [8-bit blocks on every mesh]; 4 bits where the
+    last dimension pairs its elements, else 8: Note [4-bit buckets] in
+    ruda_torch/_state4bit.py)."""
     precision = group.get("state_precision", "fp32")
-    if precision == "8bit" and (
+    if precision in ("8bit", "4bit") and (
         p.numel() < group.get("min_8bit_size", MIN_8BIT_SIZE)
         or (p.dim() < 2 and hasattr(p, "device_mesh"))
     ):
         return "fp32"
+    if precision == "4bit" and not (p.dim() >= 1 and p.shape[-1] % 2 == 0):
+        return "8bit"
     return precision
 
 
@@ -84,21 +92,29 @@ def blocks_8bit(numel: int) -> int:
 
 def moment_format(entry, key: str, where: str) -> str | None:
     """How ``entry`` holds moment ``key``: ``"plain"`` (a tensor of values), ``"8bit"``
-    (Note [8-bit state entries]) or None (absent). Raises for half a pair, or both forms."""
-    pair = (codes_key(key), scales_key(key))
-    has = [k in entry for k in pair]
-    if has[0] != has[1]:
-        present, missing = pair if has[0] else pair[::-1]
+    (Note [8-bit state entries]), ``"4bit"`` (Note [4-bit state entries] in
+    ruda_torch/_state4bit.py) or None (absent). Raises for half a pair, or two forms."""
+    forms = []
+    for form, pair in (("8bit", (codes_key(key), scales_key(key))),
+                       ("4bit", (codes4_key(key), scales4_key(key)))):  # fmt: skip
+        has = [k in entry for k in pair]
+        if has[0] != has[1]:
+            present, missing = pair if has[0] else pair[::-1]
+            raise ValueError(
+                f"{where} has {present!r} without {missing!r}: a {form[0]}-bit moment is the "
+                f"pair {pair[0]!r} (uint8 codes) and {pair[1]!r} (float32 block scales)"
+            )
+        if has[0]:
+            forms.append((form, f"its {form[0]}-bit form {pair[0]!r}/{pair[1]!r}"))
+    if key in entry:
+        forms.insert(0, ("plain", repr(key)))
+    if len(forms) > 1:
         raise ValueError(
-            f"{where} has {present!r} without {missing!r}: an 8-bit moment is the pair "
-            f"{pair[0]!r} (uint8 codes) and {pair[1]!r} (float32 block scales)"
+            f"{where} holds both "
+            + " and ".join(text for _, text in forms)
+            + ": keep one (delete the other), so that the step knows which is the moment"
         )
-    if has[0] and key in entry:
-        raise ValueError(
-            f"{where} holds both {key!r} and its 8-bit form {pair[0]!r}/{pair[1]!r}: keep one "
-            f"(delete the other), so that the step knows which is the moment"
-        )
-    return "8bit" if has[0] else "plain" if key in entry else None
+    return forms[0][0] if forms else None
 
 
 # Note [8-bit entry formats]
@@ -226,9 +242,12 @@ def pair_format(codes: torch.Tensor, scales: torch.Tensor) -> str:
 
 def moment_values(values: dict, key: str) -> torch.Tensor | None:
     """Moment ``key`` of an adopted entry's (local) values as a tensor of values shaped
-    like the parameter: the tensor itself, or its 8-bit pair decoded (FP32), or None."""
+    like the parameter: the tensor itself, or its 8-bit or 4-bit pair decoded (FP32), or
+    None."""
     if key in values:
         return values[key]
+    if codes4_key(key) in values:
+        return decoded_4bit(values[codes4_key(key)], values[scales4_key(key)], key)
     codes = values.get(codes_key(key))
     if codes is None:
         return None
@@ -267,20 +286,41 @@ def dequantize_entries(state_dict: dict, only: set | None = None) -> dict:
         if (
             (only is not None and index not in only)
             or not isinstance(entry, Mapping)
-            or not any(k in entry for k in EIGHT_BIT_KEYS)
+            or not any(k in entry for k in CODED_KEYS)
         ):
             state[index] = entry
             continue
         where = entry_where("state_dict['state']", index, names)
         new = {k: v for k, v in entry.items() if k == "step"}
         for key in STATE_KEYS:
-            if moment_format(entry, key, where) == "8bit":
+            form = moment_format(entry, key, where)
+            if form == "8bit":
                 codes = entry[codes_key(key)]
                 check_8bit(entry, codes, key, where)  # against the codes' own shape
                 new[key] = decoded_pair(codes, entry[scales_key(key)], key)
-        new.update((k, v) for k, v in entry.items() if k not in new and k not in EIGHT_BIT_KEYS)
+            elif form == "4bit":
+                codes = entry[codes4_key(key)]
+                like = torch.empty(ops.shape_of_codes_4bit(codes.shape), device="meta")
+                check_4bit(entry, _placed_like(like, codes), key, where)
+                new[key] = decoded_4bit(codes, entry[scales4_key(key)], key)
+        new.update((k, v) for k, v in entry.items() if k not in new and k not in CODED_KEYS)
         state[index] = new
     return {**state_dict, "state": state}
+
+
+def _placed_like(like: torch.Tensor, codes: torch.Tensor):
+    """A stand-in parameter of ``like``'s shape placed as ``codes`` (for check_4bit, which
+    reads the parameter's shape, mesh and placements)."""
+    if not hasattr(codes, "device_mesh"):
+        return like
+
+    class _Placed:
+        shape, device_mesh, placements = like.shape, codes.device_mesh, codes.placements
+
+        def dim(self):
+            return len(self.shape)
+
+    return _Placed()
 
 
 def decoded_pair(codes: torch.Tensor, scales: torch.Tensor, key: str) -> torch.Tensor:
@@ -314,14 +354,16 @@ def decoded_pair(codes: torch.Tensor, scales: torch.Tensor, key: str) -> torch.T
 #   model's memory. A 1-D parameter that is a plain tensor (one process, FSDP1's flat
 #   parameters, ZeRO) keeps 8-bit moments; its full state dict then differs from an FSDP2
 #   run's in those entries' form, which load_state_dict converts either way.
-def check_mesh_8bit(p: torch.Tensor, where: str) -> None:
+def check_mesh_8bit(p: torch.Tensor, where: str, bits: int = 8) -> None:
     """Raises unless every shard of DTensor ``p`` holds whole blocks of its rows and its
-    scales shard like it (Note [8-bit blocks on every mesh]). Decided on the global shape,
-    mesh sizes and placements: every rank decides alike."""
+    scales shard like it (Note [8-bit blocks on every mesh]; ``bits`` 4: the 4-bit
+    format's blocks). Decided on the global shape, mesh sizes and placements: every rank
+    decides alike."""
     if not hasattr(p, "device_mesh") or p.dim() < 2:
         return
+    block = BLOCK_4BIT if bits == 4 else BLOCK_8BIT
     _, row = ops.rows_8bit(p.shape)
-    per_row = ops.scales_shape_8bit(p.shape)[1]
+    per_row = -(-row // block)
     inner = row // p.shape[1] if p.shape[1] else 0
     problem = None
     # Shard-like placements (Shard, and _StridedShard, whose is_shard() is False) by the
@@ -338,16 +380,18 @@ def check_mesh_8bit(p: torch.Tensor, where: str) -> None:
             size = max(0, min(chunk, p.shape[1] - k * chunk))
             blocks = max(0, min(scale_chunk, per_row - k * scale_chunk))
             if size and (
-                (k * chunk * inner) % BLOCK_8BIT or -(-size * inner // BLOCK_8BIT) != blocks
+                (k * chunk * inner) % block
+                or -(-size * inner // block) != blocks
+                or (bits == 4 and p.dim() > 2)  # the codes' last dimension is not dimension 1
             ):
                 problem = (f"{pl!r} on mesh dimension {j} cuts rows of {row} elements into parts "
-                           f"of {chunk * inner}, not whole blocks of {BLOCK_8BIT}")  # fmt: skip
+                           f"of {chunk * inner}, not whole blocks of {block}")  # fmt: skip
                 break
         if problem:
             break
     if problem:
         raise ValueError(
-            f"{where}: state_precision='8bit' keeps blocks of {BLOCK_8BIT} consecutive elements "
+            f"{where}: state_precision='{bits}bit' keeps blocks of {block} consecutive elements "
             f"of each row (Note [8-bit blocks on every mesh] in ruda_torch/_state8bit.py), "
             f"and this parameter of shape {tuple(p.shape)} with placements {p.placements} "
             f"would cut them: {problem}. Give it state_precision='bf16' or 'fp32' (a param "
@@ -361,7 +405,7 @@ def blocks_of_8bit(t: torch.Tensor) -> int:
     return math.prod(ops.scales_shape_8bit(t.shape))
 
 
-def wrap_scales(scales: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+def wrap_scales(scales: torch.Tensor, p: torch.Tensor, coded=None) -> torch.Tensor:
     """The scales of an 8-bit moment as the entry holds them (local ``scales`` of
     ops.scales_shape_8bit(local shape)): themselves, or for a DTensor parameter a DTensor
     of ops.scales_shape_8bit(p.shape) with its mesh and placements (Note [8-bit blocks on
@@ -370,6 +414,57 @@ def wrap_scales(scales: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
         return scales
     from torch.distributed.tensor import DTensor
 
-    shape = ops.scales_shape_8bit(p.shape)
+    shape = (coded or FORMAT).scales_shape(p.shape)
     return DTensor.from_local(scales, p.device_mesh, p.placements, run_check=False, shape=shape,
                               stride=torch.empty(shape, device="meta").stride())  # fmt: skip
+
+
+class EightBit:
+    """What a bucket of 8-bit moments asks its format (Note [8-bit buckets]); the 4-bit
+    sibling is ruda_torch/_state4bit.py's FourBit."""
+
+    name = "8bit"
+    block = BLOCK_8BIT
+    state_dtype = torch.uint8
+    per_byte = 1
+
+    codes_key = staticmethod(codes_key)
+    scales_key = staticmethod(scales_key)
+    ragged_row = staticmethod(ops.ragged_row_8bit)
+    scales_shape = staticmethod(ops.scales_shape_8bit)
+
+    @staticmethod
+    def codes_shape(shape) -> tuple:
+        return tuple(shape)
+
+    @staticmethod
+    def check(entry, p: torch.Tensor, key: str, where: str) -> None:
+        check_8bit(entry, p, key, where)
+
+    @staticmethod
+    def quantize(x: torch.Tensor, key: str) -> tuple[torch.Tensor, torch.Tensor]:
+        return ops.quantize_8bit(x, moment_code(key))
+
+    @staticmethod
+    def decoded(codes: torch.Tensor, scales: torch.Tensor, key: str) -> torch.Tensor:
+        return decoded_pair(codes, scales, key)
+
+    @staticmethod
+    def same_blocks(codes: torch.Tensor, scales: torch.Tensor) -> bool:
+        """Whether an accepted pair's local tensors copy into a slot as they are: the rows'
+        blocks (or the first format's where they are the rows')."""
+        return pair_format(codes, scales) == "rows" or (
+            codes.is_contiguous() and not ops.ragged_row_8bit(codes.shape)
+        )
+
+
+FORMAT = EightBit()
+
+
+def coded_format(precision: str):
+    """The format object of a bucket's moment precision, or None for values (FP32, BF16)."""
+    if precision == "8bit":
+        return FORMAT
+    if precision == "4bit":
+        return FOUR
+    return None

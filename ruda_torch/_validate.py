@@ -9,7 +9,7 @@ from collections.abc import Mapping
 import torch
 
 from ._common import (
-    EIGHT_BIT_KEYS,
+    CODED_KEYS,
     MASTER_KEY,
     REMAINDER_KEY,
     REQUIRED_KEYS,
@@ -17,6 +17,7 @@ from ._common import (
     check_shape,
     found,
 )
+from ._state4bit import check_4bit
 from ._state8bit import check_8bit, moment_format
 
 
@@ -114,9 +115,10 @@ def check_required_keys(entry, where: str, eight_bit: bool = True) -> dict:
             "entry holds 'step', 'exp_avg', 'exp_avg_sq' (and 'max_exp_avg_sq' with amsgrad), "
             "or is empty ({}) to start the parameter afresh"
         )
-    if not eight_bit and "8bit" in formats.values():
+    if not eight_bit and ({"8bit", "4bit"} & set(formats.values())):
         raise ValueError(
-            f"{where} holds 8-bit moments ({sorted(k for k in entry if k in EIGHT_BIT_KEYS)}), "
+            f"{where} holds {'8-bit' if '8bit' in formats.values() else '4-bit'} moments "
+            f"({sorted(k for k in entry if k in CODED_KEYS)}), "
             "which only the fused path reads: use fused_step=True for its group, or convert "
             "the state dict with ruda_torch.dequantize_state_dict first"
         )
@@ -151,6 +153,8 @@ def check_state_entry(entry, p: torch.Tensor, where: str, eight_bit: bool = True
             _check_values(entry[key], p, key, where)
         elif form == "8bit":
             check_8bit(entry, p, key, where)
+        elif form == "4bit":
+            check_4bit(entry, p, key, where)
     if MASTER_KEY in entry:
         _check_values(entry[MASTER_KEY], p, MASTER_KEY, where)
     if REMAINDER_KEY in entry:

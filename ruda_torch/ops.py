@@ -10,7 +10,7 @@ import math
 import torch
 
 from . import _C, _build  # noqa: F401  (loading _C registers the schemas)
-from ._build import BLOCK_8BIT
+from ._build import BLOCK_4BIT, BLOCK_8BIT
 from ._common import STATE_ROUNDINGS
 
 _ops = torch.ops.ruda_torch
@@ -403,6 +403,124 @@ def dequantize_8bit(
     return out
 
 
+CODES_4BIT = ("signed", "unsigned")
+
+
+def _code4(op: str, code: str) -> int:
+    if code not in CODES_4BIT:
+        raise ValueError(
+            f"ruda_torch.ops.{op}: code must be 'signed' (exp_avg: sign + E2M1) or "
+            f"'unsigned' (exp_avg_sq: E2M2), got {code!r}"
+        )
+    return CODES_4BIT.index(code)
+
+
+def scales_shape_4bit(shape) -> tuple[int, ...]:
+    """The shape of the scales of a tensor of ``shape`` in 4 bits (Note [4-bit row blocks]
+    in csrc/quant4.h): ``(rows, blocks of 128 per row)``, or ``(blocks,)`` for a 0-D or 1-D
+    tensor."""
+    rows, row = rows_8bit(shape)
+    per_row = -(-row // BLOCK_4BIT)
+    return (per_row,) if len(tuple(shape)) < 2 else (rows, per_row)
+
+
+def codes_shape_4bit(shape) -> tuple[int, ...]:
+    """The shape of the 4-bit codes of a tensor of ``shape`` (Note [4-bit row blocks] in
+    csrc/quant4.h): two codes per byte along the last dimension, which must be even:
+    ``(*shape[:-1], shape[-1] // 2)``. The parameter's shape is read back from it, and a
+    shard along any but the last dimension holds its elements' whole bytes."""
+    shape = tuple(shape)
+    if not shape or shape[-1] % 2:
+        raise ValueError(
+            f"4-bit codes pair the elements along the last dimension, which must be even; a "
+            f"tensor of shape {shape} has none to pair (state_precision='4bit' keeps such "
+            "parameters in 8 bits)"
+        )
+    return (*shape[:-1], shape[-1] // 2)
+
+
+def shape_of_codes_4bit(codes_shape) -> tuple[int, ...]:
+    """The tensor's shape from its 4-bit codes' (codes_shape_4bit's inverse)."""
+    codes_shape = tuple(codes_shape)
+    return (*codes_shape[:-1], 2 * codes_shape[-1]) if codes_shape else ()
+
+
+def ragged_row_4bit(shape) -> int:
+    """The row length of a tensor of ``shape`` whose rows are not whole blocks of
+    ``BLOCK_4BIT`` and are more than one (Note [4-bit row blocks] in csrc/quant4.h), else 0."""
+    rows, row = rows_8bit(shape)
+    return row if rows > 1 and row % BLOCK_4BIT else 0
+
+
+def quantize_4bit(x: torch.Tensor, code: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Blockwise 4-bit codes of an FP32 tensor (Note [4-bit moments] in csrc/quant4.h):
+    ``(codes, scales)``, ``codes`` uint8 of ``codes_shape_4bit(x.shape)`` (two codes per
+    byte, the even element in the low nibble; the last dimension must be even), ``scales``
+    FP32 of ``scales_shape_4bit(x.shape)``: the largest magnitude of each block of up to
+    ``BLOCK_4BIT`` consecutive elements of one row (rows along the first dimension).
+    ``code``: ``"signed"`` (a first moment) or ``"unsigned"`` (a second moment). The format
+    of ``state_precision="4bit"``'s state entries; CPU tensors (4-bit states have CPU
+    kernels only in this release)."""
+    c = _code4("quantize_4bit", code)
+    if not isinstance(x, torch.Tensor) or x.dtype != torch.float32:
+        raise TypeError(
+            "ruda_torch.ops.quantize_4bit: x must be a float32 tensor (got "
+            f"{x.dtype if isinstance(x, torch.Tensor) else type(x).__name__})"
+        )
+    codes = torch.empty(codes_shape_4bit(x.shape), dtype=torch.uint8, device=x.device)
+    scales = torch.empty(scales_shape_4bit(x.shape), dtype=torch.float32, device=x.device)
+    rows, row = rows_8bit(x.shape)
+    if not ragged_row_4bit(x.shape):  # the flat tensor's blocks
+        torch.ops.ruda_torch.quantize_4bit(x.contiguous().view(-1), codes.view(-1),
+                                           scales.view(-1), c)  # fmt: skip
+        return codes, scales
+    stride = -(-row // BLOCK_4BIT) * BLOCK_4BIT  # each row on whole blocks, zeros after it
+    staging = torch.zeros(rows, stride, dtype=torch.float32, device=x.device)
+    staging[:, :row] = x.reshape(rows, row)
+    padded = torch.empty(rows, stride // 2, dtype=torch.uint8, device=x.device)
+    torch.ops.ruda_torch.quantize_4bit(staging.view(-1), padded.view(-1), scales.view(-1), c)
+    codes.view(rows, row // 2).copy_(padded[:, : row // 2])
+    return codes, scales
+
+
+def dequantize_4bit(codes: torch.Tensor, scales: torch.Tensor, code: str) -> torch.Tensor:
+    """The FP32 values of quantize_4bit's ``(codes, scales)``, of shape
+    ``shape_of_codes_4bit(codes.shape)``."""
+    c = _code4("dequantize_4bit", code)
+    if not isinstance(codes, torch.Tensor) or codes.dtype != torch.uint8 or codes.dim() == 0:
+        raise ValueError(
+            "ruda_torch.ops.dequantize_4bit: codes must be a uint8 tensor of at least one "
+            f"dimension (two codes per byte), got {codes.dtype if isinstance(codes, torch.Tensor) else type(codes).__name__}"
+        )
+    shape = shape_of_codes_4bit(codes.shape)
+    want = scales_shape_4bit(shape)
+    if (
+        not isinstance(scales, torch.Tensor)
+        or scales.dtype != torch.float32
+        or tuple(scales.shape) != want
+    ):
+        raise ValueError(
+            f"ruda_torch.ops.dequantize_4bit: the scales of codes of shape {tuple(codes.shape)} "
+            f"(a tensor of shape {shape}) are a float32 tensor of shape {want}, got "
+            + (f"{scales.dtype} of shape {tuple(scales.shape)}" if isinstance(scales, torch.Tensor)
+               else type(scales).__name__)
+        )  # fmt: skip
+    rows, row = rows_8bit(shape)
+    out = torch.empty(shape, dtype=torch.float32, device=codes.device)
+    if not ragged_row_4bit(shape):
+        torch.ops.ruda_torch.dequantize_4bit(codes.contiguous().view(-1),
+                                             scales.contiguous().view(-1), out.view(-1), c)  # fmt: skip
+        return out
+    stride = -(-row // BLOCK_4BIT) * BLOCK_4BIT
+    staging = torch.zeros(rows, stride // 2, dtype=torch.uint8, device=codes.device)
+    staging[:, : row // 2] = codes.reshape(rows, row // 2)
+    values = torch.empty(rows, stride, dtype=torch.float32, device=codes.device)
+    torch.ops.ruda_torch.dequantize_4bit(staging.view(-1), scales.contiguous().view(-1),
+                                         values.view(-1), c)  # fmt: skip
+    out.view(rows, row).copy_(values[:, :row])
+    return out
+
+
 @torch.library.register_fake("ruda_torch::adamw_scaled_")
 def _adamw_scaled_fake(params, grads, exp_avg, exp_avg_sq, max_exp_avg_sq, steps, slots,
                        grad_scale, found_inf, stats, clip_coef, lr, beta1, beta2, eps,
@@ -453,3 +571,13 @@ def _quantize_8bit_fake(x, codes, scales, code):
 @torch.library.register_fake("ruda_torch::dequantize_8bit")
 def _dequantize_8bit_fake(codes, scales, out, code):
     _same_device("dequantize_8bit", [("codes", codes), ("scales", scales), ("out", out)])
+
+
+@torch.library.register_fake("ruda_torch::quantize_4bit")
+def _quantize_4bit_fake(x, codes, scales, code):
+    _same_device("quantize_4bit", [("x", x), ("codes", codes), ("scales", scales)])
+
+
+@torch.library.register_fake("ruda_torch::dequantize_4bit")
+def _dequantize_4bit_fake(codes, scales, out, code):
+    _same_device("dequantize_4bit", [("codes", codes), ("scales", scales), ("out", out)])

@@ -34,7 +34,7 @@ from torch.optim import Optimizer
 
 from . import _fused, _options, _plan, _state8bit
 from . import _step as phases
-from ._common import EIGHT_BIT_KEYS, MASTER_KEYS, STATE_KEYS, entry_names, entry_where, local
+from ._common import CODED_KEYS, MASTER_KEYS, STATE_KEYS, entry_names, entry_where, local
 from ._validate import check_max_grad_norm, check_state_entry, check_stats_dtype
 from .distributed import Scope, check_disjoint, check_process_group, ranks_of, scope_of
 from .report import GradientReport
@@ -442,7 +442,7 @@ class AdamW(Optimizer):
         # round FP32 moments and masters of 16-bit parameters, and turn 8-bit codes and
         # scales into values (at four times their memory): the fused parameters' values
         # go around it, and the buckets adopt them exactly.
-        taken = (*STATE_KEYS, *EIGHT_BIT_KEYS, *MASTER_KEYS)
+        taken = (*STATE_KEYS, *CODED_KEYS, *MASTER_KEYS)
         loaded = {
             key: {k: v for k, v in st.items() if k not in taken}
             if st and id(id_to_param[key]) in fused

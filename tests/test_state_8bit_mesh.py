@@ -80,10 +80,17 @@ def full_state(model: nn.Module, opt) -> dict:
     }
 
 
-def reference(steps: int) -> list[dict]:
+def options(precision: str) -> dict:
+    """OPTIONS with ``precision``'s moments: "4bit" keeps ``up.weight`` (an odd last
+    dimension) in 8 bits and the others in 4 (Note [4-bit buckets] in
+    ruda_torch/_state4bit.py)."""
+    return {**OPTIONS, "state_precision": precision}
+
+
+def reference(steps: int, precision: str = "8bit") -> list[dict]:
     """A single process's plain-tensor run: full_state() after each step."""
     model = Net()
-    opt = ruda_torch.AdamW(model.parameters(), **OPTIONS)
+    opt = ruda_torch.AdamW(model.parameters(), **options(precision))
     out = []
     for step in range(steps):
         feed(model, step)
@@ -133,37 +140,46 @@ def build(layout: str) -> nn.Module:
 STEPS = 3
 
 
-def scenario_same_bits(rank: int, workdir: str, layout: str) -> None:
-    want = reference(STEPS)
+def scenario_same_bits(rank: int, workdir: str, layout: str, precision: str = "8bit") -> None:
+    want = reference(STEPS, precision)
     model = build(layout)
-    opt = ruda_torch.AdamW(model.parameters(), **OPTIONS)
+    opt = ruda_torch.AdamW(model.parameters(), **options(precision))
     for step in range(STEPS):
         feed(model, step)
         opt.step()
         assert_same_state(full_state(model, opt), want[step], f"{layout} step {step}")
     # The format itself: codes shaped and sharded like the parameter, scales of the rows'
     # blocks sharded like it.
+    ops = ruda_torch.ops
     for p in (model.up.weight, model.down.weight, model.cube):
         st = opt.state[p]
+        if precision == "4bit" and p is not model.up.weight:
+            codes, scales = st["exp_avg_codes4"], st["exp_avg_scales4"]
+            assert codes.placements == p.placements
+            assert tuple(codes.shape) == ops.codes_shape_4bit(p.shape)
+            assert tuple(scales.shape) == ops.scales_shape_4bit(p.shape)
+            assert scales.placements == p.placements
+            continue
         codes, scales = st["exp_avg_codes"], st["exp_avg_scales"]
         assert codes.placements == p.placements and codes.shape == p.shape
         assert scales.placements == p.placements
-        assert tuple(scales.shape) == ruda_torch.ops.scales_shape_8bit(p.shape)
+        assert tuple(scales.shape) == ops.scales_shape_8bit(p.shape)
     assert "exp_avg" in opt.state[model.up.bias]  # 1-D: FP32 moments
 
 
+@pytest.mark.parametrize("precision", ["8bit", "4bit"])
 @pytest.mark.parametrize(
     "layout, world",
     [("fsdp2", 1), ("fsdp2", 2), ("fsdp2", 4), ("hsdp", 4), ("tensor-parallel", 4)],
     ids=["fsdp2-1", "fsdp2-2", "fsdp2-4", "hsdp-2x2", "fsdp2-tp-2x2"],
 )
-def test_8bit_state_has_the_same_bits_on_every_mesh(tmp_path, layout, world):
+def test_coded_state_has_the_same_bits_on_every_mesh(tmp_path, layout, world, precision):
     run_scenario(tmp_path, "test_state_8bit_mesh:scenario_same_bits", world=world,
-                 layout=layout)  # fmt: skip
+                 layout=layout, precision=precision)  # fmt: skip
 
 
 def scenario_dcp_phase(rank: int, workdir: str, load: str | None, save: str, first: int,
-                       steps: int) -> None:  # fmt: skip
+                       steps: int, precision: str = "8bit") -> None:  # fmt: skip
     """Load ``load`` (a DCP checkpoint of the state after step ``first - 1``; None: start
     afresh), check it against the single process's bits, train ``steps`` steps checking
     each, save to ``save``."""
@@ -175,9 +191,9 @@ def scenario_dcp_phase(rank: int, workdir: str, load: str | None, save: str, fir
         set_optimizer_state_dict,
     )
 
-    want = reference(first + steps)
+    want = reference(first + steps, precision)
     model = build("fsdp2")
-    opt = ruda_torch.AdamW(model.parameters(), **OPTIONS)
+    opt = ruda_torch.AdamW(model.parameters(), **options(precision))
     world = dist.get_world_size()
     if load is not None:
         sd = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}
@@ -193,7 +209,8 @@ def scenario_dcp_phase(rank: int, workdir: str, load: str | None, save: str, fir
     dcp.save(sd, checkpoint_id=save)
 
 
-def test_dcp_checkpoint_reshards_4_2_1_4(tmp_path):
+@pytest.mark.parametrize("precision", ["8bit", "4bit"])
+def test_dcp_checkpoint_reshards_4_2_1_4(tmp_path, precision):
     """Saved on 4 FSDP2 ranks, loaded on 2, saved, loaded on 1, saved, loaded on 4 (and the
     2 ranks' checkpoint loaded on 4 too): every load holds the saved bits and every step
     after it the single process's."""
@@ -204,7 +221,8 @@ def test_dcp_checkpoint_reshards_4_2_1_4(tmp_path):
         where.mkdir()
         run_scenario(where, "test_state_8bit_mesh:scenario_dcp_phase", world=world,
                      load=None if load is None else str(tmp_path / load),
-                     save=str(tmp_path / save), first=first, steps=steps)  # fmt: skip
+                     save=str(tmp_path / save), first=first, steps=steps,
+                     precision=precision)  # fmt: skip
 
 
 def scenario_cut_blocks(rank: int, workdir: str) -> None:

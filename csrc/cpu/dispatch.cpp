@@ -38,6 +38,8 @@ void merge_gradient_stats_chunks_cpu(const float* reports, int64_t n_reports, fl
 }
 void quantize_8bit_cpu(const Quant8Launch& launch) { kernels().quantize_8bit(launch); }
 void dequantize_8bit_cpu(const Quant8Launch& launch) { kernels().dequantize_8bit(launch); }
+void quantize_4bit_cpu(const Quant8Launch& launch) { kernels().quantize_4bit(launch); }
+void dequantize_4bit_cpu(const Quant8Launch& launch) { kernels().dequantize_4bit(launch); }
 
 // set_cpu_kernels(capsule) -> str: installs an ISA module's kernels, returns its ISA.
 PyObject* set_cpu_kernels(PyObject*, PyObject* capsule) {

@@ -53,6 +53,16 @@ void dequantize_8bit_cpu_op(const at::Tensor& codes, const at::Tensor& scales,
   dequantize_8bit_cpu(prepare_dequantize_8bit(codes, scales, out, code));
 }
 
+void quantize_4bit_cpu_op(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
+                          int64_t code) {
+  quantize_4bit_cpu(prepare_quantize_8bit(x, codes, scales, code, 4));
+}
+
+void dequantize_4bit_cpu_op(const at::Tensor& codes, const at::Tensor& scales,
+                            const at::Tensor& out, int64_t code) {
+  dequantize_4bit_cpu(prepare_dequantize_8bit(codes, scales, out, code, 4));
+}
+
 }  // namespace
 }  // namespace ruda
 
@@ -63,4 +73,6 @@ TORCH_LIBRARY_IMPL(ruda_torch, CPU, m) {
   m.impl("merge_gradient_stats_chunks", &ruda::merge_gradient_stats_chunks_cpu_op);
   m.impl("quantize_8bit", &ruda::quantize_8bit_cpu_op);
   m.impl("dequantize_8bit", &ruda::dequantize_8bit_cpu_op);
+  m.impl("quantize_4bit", &ruda::quantize_4bit_cpu_op);
+  m.impl("dequantize_4bit", &ruda::dequantize_4bit_cpu_op);
 }

@@ -915,7 +915,8 @@ void adamw_cuda(const AdamWLaunch& L, void* stream_ptr) {
       return launch_param<__nv_bfloat16>(L, stream);
     case DType::kDouble:
       return launch_param<double>(L, stream);
-    case DType::kUInt8:  // a state dtype, never a parameter's (the binding)
+    case DType::kUInt8:  // state dtypes, never a parameter's (the binding)
+    case DType::kNibble:
       return;
   }
 }

@@ -126,7 +126,8 @@ void analyze_gradient_cuda(const StatsLaunch& L, void* stream_ptr) {
       run(analyze_kernel<__nv_bfloat16>);
       break;
     case DType::kDouble:  // FP64 gradients have no statistics (the binding rejects them)
-    case DType::kUInt8:   // a state dtype, never a gradient's
+    case DType::kUInt8:   // state dtypes, never a gradient's
+    case DType::kNibble:
       break;
   }
   RUDA_CUDA_CHECK_LAUNCH();

@@ -123,6 +123,14 @@ void dequantize_8bit_cuda_op(const at::Tensor& codes, const at::Tensor& scales,
   dequantize_8bit_cuda(launch, current_stream());
 }
 
+// Note [4-bit moments] in csrc/quant4.h: CPU kernels only in this release.
+void no_4bit_cuda(const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t) {
+  TORCH_CHECK(false,
+              "ruda_torch: 4-bit codes (quantize_4bit / dequantize_4bit, "
+              "state_precision='4bit') have CPU kernels only in this release; move the "
+              "tensors to the CPU, or use state_precision='8bit' on CUDA");
+}
+
 }  // namespace
 
 void launch_flat_cuda(FlatBucket& fb, AdamWLaunch launch) {
@@ -162,4 +170,6 @@ TORCH_LIBRARY_IMPL(ruda_torch, CUDA, m) {
   m.impl("merge_gradient_stats_chunks", &ruda::merge_gradient_stats_chunks_cuda_op);
   m.impl("quantize_8bit", &ruda::quantize_8bit_cuda_op);
   m.impl("dequantize_8bit", &ruda::dequantize_8bit_cuda_op);
+  m.impl("quantize_4bit", &ruda::no_4bit_cuda);
+  m.impl("dequantize_4bit", &ruda::no_4bit_cuda);
 }

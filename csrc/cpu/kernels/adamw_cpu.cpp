@@ -15,6 +15,7 @@
 #include "cpu/kernels/quant8_vec.h"
 #include "cpu/kernels/vec_load.h"
 #include "kernels.h"
+#include "quant4.h"
 #include "quant8.h"
 
 namespace ruda {
@@ -638,12 +639,45 @@ void update_range8(const AdamWLaunch& L, const TensorEntry& e, const StepCoefs<f
   pending.code_all();
 }
 
+// Note [4-bit moments] in csrc/quant4.h: each block is decoded to FP32, stepped by
+// update_span exactly as FP32 moments are, and coded again with its new scale: the step is
+// "decode, the FP32 step, encode" by construction. Indices [begin, end) of one tensor's walk
+// (a tile of whole blocks; Note [4-bit row blocks] maps them to elements, codes and scales).
+template <typename P, typename G, bool AMSGRAD>
+void update_range4(const AdamWLaunch& L, const TensorEntry& e, const StepCoefs<float>& c, int64_t t,
+                   int64_t begin, int64_t end) {
+  uint8_t* const mc = static_cast<uint8_t*>(L.exp_avg);
+  uint8_t* const vc = static_cast<uint8_t*>(L.exp_avg_sq);
+  uint8_t* const vmc = AMSGRAD ? static_cast<uint8_t*>(L.max_exp_avg_sq) : nullptr;
+  alignas(64) float mf[kBlock4], vf[kBlock4], vmf[kBlock4];
+  for (int64_t kc = begin; kc < end; kc += kBlock4) {
+    const Block4 blk = block4_at(e, kc, end);
+    const int64_t k0 = blk.first, n = blk.n, byte = blk.nibble >> 1;
+    const int64_t b = scale_index4(e, kc);
+    decode_block4<Code4::kSigned>(mc + byte, L.exp_avg_scales[b], n, mf);
+    decode_block4<Code4::kUnsigned>(vc + byte, L.exp_avg_sq_scales[b], n, vf);
+    if (AMSGRAD) decode_block4<Code4::kUnsigned>(vmc + byte, L.max_exp_avg_sq_scales[b], n, vmf);
+    const MomentStore<float, float> m{mf, Rounding::kNearestEven, k0};
+    const MomentStore<float, float> v{vf, Rounding::kNearestEven, k0};
+    const MomentStore<float, float> vm{AMSGRAD ? vmf : nullptr, Rounding::kNearestEven, k0};
+    update_span<P, G, AMSGRAD>(L, e, c, t, k0, k0 + n, m, v, vm);
+    encode_block4<Code4::kSigned>(mf, n, mc + byte, L.exp_avg_scales + b);
+    encode_block4<Code4::kUnsigned>(vf, n, vc + byte, L.exp_avg_sq_scales + b);
+    if (AMSGRAD) encode_block4<Code4::kUnsigned>(vmf, n, vmc + byte, L.max_exp_avg_sq_scales + b);
+  }
+}
+
+// The storage type of 4-bit moments (a tag: two codes per byte).
+struct Nibbles {};
+
 // Elements [begin, end) of one tensor at step t, its moments where the launch keeps them.
 template <typename P, typename G, typename S, bool AMSGRAD>
 void update_range(const AdamWLaunch& L, const TensorEntry& e, const StepCoefs<MathOf<P>>& c,
                   int64_t t, int64_t begin, int64_t end) {
   if constexpr (std::is_same_v<S, uint8_t>) {
     update_range8<P, G, AMSGRAD>(L, e, c, t, begin, end);
+  } else if constexpr (std::is_same_v<S, Nibbles>) {
+    update_range4<P, G, AMSGRAD>(L, e, c, t, begin, end);
   } else {
     using M = MathOf<P>;
     const int64_t off = e.state_offset;
@@ -677,8 +711,8 @@ void run(const AdamWLaunch& L, double factor) {
         last_t = t;
       }
       const int64_t begin = (u - e.unit_start) * kCpuTile;
-      update_range<P, G, S, AMSGRAD>(L, e, c, t, begin,
-                                     std::min(begin + kCpuTile, state_extent(e)));
+      const int64_t extent = std::is_same_v<S, Nibbles> ? state_extent4(e) : state_extent(e);
+      update_range<P, G, S, AMSGRAD>(L, e, c, t, begin, std::min(begin + kCpuTile, extent));
     }
   });
 }
@@ -699,6 +733,7 @@ void run_state(const AdamWLaunch& L, double factor) {
   if constexpr (!std::is_same_v<P, double>) {
     if (L.state_dtype == DType::kBFloat16) return run_amsgrad<P, G, c10::BFloat16>(L, factor);
     if (L.state_dtype == DType::kUInt8) return run_amsgrad<P, G, uint8_t>(L, factor);
+    if (L.state_dtype == DType::kNibble) return run_amsgrad<P, G, Nibbles>(L, factor);
   }
   run_amsgrad<P, G, MathOf<P>>(L, factor);
 }
@@ -741,7 +776,8 @@ void adamw_cpu(const AdamWLaunch& L) {
       return run_param<c10::BFloat16>(L, d.factor);
     case DType::kDouble:
       return run_param<double>(L, d.factor64);
-    case DType::kUInt8:  // a state dtype, never a parameter's (the binding)
+    case DType::kUInt8:  // state dtypes, never a parameter's (the binding)
+    case DType::kNibble:
       return;
   }
 }

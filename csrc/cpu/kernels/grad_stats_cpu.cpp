@@ -158,7 +158,8 @@ void analyze_gradient_cpu(const StatsLaunch& L) {
       analyze<c10::BFloat16>(L, inv_scale);
       break;
     case DType::kDouble:  // FP64 gradients have no statistics (the binding rejects them)
-    case DType::kUInt8:   // a state dtype, never a gradient's
+    case DType::kUInt8:   // state dtypes, never a gradient's
+    case DType::kNibble:
       break;
   }
 }

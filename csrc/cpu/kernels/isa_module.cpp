@@ -25,6 +25,8 @@ const ruda::CpuKernels kKernels = {
     &ruda::merge_gradient_stats_chunks_cpu,
     &ruda::quantize_8bit_cpu,
     &ruda::dequantize_8bit_cpu,
+    &ruda::quantize_4bit_cpu,
+    &ruda::dequantize_4bit_cpu,
 };
 
 }  // namespace

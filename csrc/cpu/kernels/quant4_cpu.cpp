@@ -1,0 +1,61 @@
+// CPU kernels of quantize_4bit and dequantize_4bit (Note [4-bit moments] in csrc/quant4.h):
+// blocks of kBlock4 in parallel with at::parallel_for, each by the shared scalar codec (the
+// step's own: encode_block4 / decode_block4), so that these operators and the fused step
+// give the same bits on every ISA build.
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+
+#include "kernels.h"
+#include "quant4.h"
+
+namespace ruda {
+namespace {
+
+constexpr int64_t kBlocksPerTask = 128;  // 16384 elements, a CPU tile (kCpuTile)
+
+// f(b, begin, n) for every block b of n elements from `begin` (even), blocks in parallel.
+template <typename F>
+void for_each_block4(int64_t numel, const F& f) {
+  const int64_t blocks = (numel + kBlock4 - 1) / kBlock4;
+  at::parallel_for(0, blocks, kBlocksPerTask, [&](int64_t b_begin, int64_t b_end) {
+    for (int64_t b = b_begin; b < b_end; ++b) {
+      const int64_t begin = b * kBlock4;
+      f(b, begin, std::min(kBlock4, numel - begin));
+    }
+  });
+}
+
+template <Code4 kCode>
+void quantize_blocks4(const Quant8Launch& L) {
+  for_each_block4(L.n, [&](int64_t b, int64_t begin, int64_t n) {
+    encode_block4<kCode>(L.x + begin, n, L.codes + begin / 2, L.scales + b);
+  });
+}
+
+template <Code4 kCode>
+void dequantize_blocks4(const Quant8Launch& L) {
+  for_each_block4(L.n, [&](int64_t b, int64_t begin, int64_t n) {
+    decode_block4<kCode>(L.codes + begin / 2, L.scales[b], n, L.out + begin);
+  });
+}
+
+}  // namespace
+
+void quantize_4bit_cpu(const Quant8Launch& launch) {
+  if (static_cast<Code4>(launch.code) == Code4::kSigned) {
+    quantize_blocks4<Code4::kSigned>(launch);
+  } else {
+    quantize_blocks4<Code4::kUnsigned>(launch);
+  }
+}
+
+void dequantize_4bit_cpu(const Quant8Launch& launch) {
+  if (static_cast<Code4>(launch.code) == Code4::kSigned) {
+    dequantize_blocks4<Code4::kSigned>(launch);
+  } else {
+    dequantize_blocks4<Code4::kUnsigned>(launch);
+  }
+}
+
+}  // namespace ruda
