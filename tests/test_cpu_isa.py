@@ -24,6 +24,11 @@ SIZES = [97, 1025, 65537, 0, 3 * 16384 + 5]
 # block shorter than 256 by a whole number of vectors or not (the one-pass way's scalar
 # tail: Note [One pass per 8-bit block]), rows of one short block, rows of whole blocks.
 ROW_SHAPES = [(13, 300), (40, 70), (9, 1000), (33, 128), (5, 4, 31), (7, 512)]
+# The 4-bit moments' blocks of 128 (Note [4-bit row blocks] in csrc/quant4.h): rows of even
+# length (4-bit needs it), a row's last block shorter by a whole number of vectors or not,
+# rows of one short block, rows of whole blocks; and flat tensors of a short last block.
+ROW_SHAPES_4BIT = [(13, 300), (40, 70), (9, 1000), (33, 128), (5, 4, 34), (7, 512), (2, 6)]
+SIZES_4BIT = [98, 1026, 65538, 0, 3 * 16384 + 6]
 
 
 @pytest.fixture
@@ -36,7 +41,9 @@ def _train(kind: str) -> list[torch.Tensor]:
     """Every tensor a few steps of one configuration produce (parameters, state, report)."""
     gen = torch.Generator().manual_seed(17)
     pdtype = {"fp32": torch.float32, "fp64": torch.float64}.get(kind, torch.bfloat16)
-    sizes = ROW_SHAPES if kind == "8bit-rows" else SIZES
+    sizes = {"8bit-rows": ROW_SHAPES, "4bit": SIZES_4BIT, "4bit-rows": ROW_SHAPES_4BIT}.get(
+        kind, SIZES
+    )
     params = [torch.nn.Parameter(torch.randn(n, generator=gen).to(pdtype)) for n in sizes]
     kw = dict(lr=1e-2, eps=1e-8, weight_decay=1e-2, fused_step=True)
     if kind == "fp32":
@@ -49,6 +56,8 @@ def _train(kind: str) -> list[torch.Tensor]:
         kw.update(stochastic_rounding=True, rounding_seed=3)
     elif kind in ("8bit", "8bit-rows"):  # the codes and scales of the 8-bit step (quant8.h)
         kw.update(amsgrad=True, state_precision="8bit", min_8bit_size=1000)
+    elif kind in ("4bit", "4bit-rows"):  # the codes and scales of the 4-bit step (quant4.h)
+        kw.update(amsgrad=True, state_precision="4bit", min_8bit_size=1000)
     opt = ruda_torch.AdamW(params, **kw)
     mixed = kind == "fp32" and hasattr(params[0], "grad_dtype")  # FP16 gradients (torch >= 2.14)
     if mixed:
@@ -64,8 +73,10 @@ def _train(kind: str) -> list[torch.Tensor]:
             # that block takes the per-pass path from then on, between blocks that do not
             # (Note [One pass per 8-bit block]).
             params[2].grad[70 * 256 + 3] = 1e30
-        if kind == "8bit-rows" and step == 1:  # the same, in a row's shorter last block
+        if kind in ("8bit-rows", "4bit-rows") and step == 1:  # in a row's shorter last block
             params[0].grad[7, 260] = 1e30
+        if kind == "4bit" and step == 1:  # one block of 128 among vector ones
+            params[2].grad[70 * 128 + 3] = 1e30
         opt.step()
         out += [p.detach().clone() for p in params]
         out += [v.clone() for p in params for v in opt.state[p].values()]
@@ -108,7 +119,8 @@ def test_every_isa_build_gives_the_default_bits(isa, restore_isa):
     results = {}
     for build in dict.fromkeys(["default", isa]):
         assert _build.use_cpu_isa(build) == build
-        kinds = ("fp32", "fp64", "bf16-master", "bf16-remainder", "bf16-sr", "8bit", "8bit-rows")
+        kinds = ("fp32", "fp64", "bf16-master", "bf16-remainder", "bf16-sr", "8bit", "8bit-rows",
+                 "4bit", "4bit-rows")  # fmt: skip
         results[build] = [_train(k) for k in kinds]
         results[build].append(_stats_inputs())
     for got_set, want_set in zip(results[isa], results["default"], strict=True):
@@ -227,3 +239,66 @@ def test_8bit_codec_gives_the_default_bits_on_every_class_of_value(
     # Not a vacuous comparison: every code of a value in [-1, 1] occurs (signed: 113
     # magnitudes 0 .. 0x70, each with both signs but 0; unsigned: 0 .. 0xF0).
     assert len(torch.unique(results[isa][0])) == (225 if code == "signed" else 241)
+
+
+def _codec4_inputs(code: str) -> torch.Tensor:
+    """Values y = |x| * inverse of every class the 4-bit codec rounds differently: every
+    code's value and every midpoint between adjacent codes with their FP32 neighbours,
+    FP32 subnormals, zeros, random bit patterns in [0, top]; signs random for the signed
+    code. Each block of 128 leads with its largest magnitude 1 (scale 1), so the codec
+    sees top * q."""
+    gen = torch.Generator().manual_seed(7)
+    top = 1.5 if code == "signed" else 1.75
+    decoded = ruda_torch.ops.dequantize_4bit(
+        torch.arange(256, dtype=torch.uint8), torch.ones(4), code
+    ).abs()
+    codes = torch.unique(decoded[torch.isfinite(decoded)])
+    mids = (codes[1:].double() + codes[:-1].double()).div(2).float()
+    bits = torch.cat([codes, mids]).view(torch.int32)
+    near = torch.cat([bits + d for d in range(-3, 4)]).clamp(0, 0x3F800000)
+    patterns = torch.randint(0, 0x3F800001, (1 << 18,), generator=gen, dtype=torch.int32)
+    tiny = torch.arange(0, 4096, dtype=torch.int32)
+    q = torch.cat([near, patterns, tiny]).view(torch.float32).clamp(max=1.0)
+    if code == "signed":
+        q = torch.where(torch.rand(q.shape, generator=gen) < 0.5, -q, q)
+    rows = (q.numel() + 126) // 127
+    values = torch.zeros(rows * 127)
+    values[: q.numel()] = q
+    assert top > 1.0  # the codec's own scaling (top / scale) maps q = 1 to its top code
+    return torch.cat([torch.ones(rows, 1), values.view(rows, 127)], dim=1).view(-1)
+
+
+@pytest.mark.parametrize("isa", RUNNABLE)
+@pytest.mark.parametrize("code", ["signed", "unsigned"])
+def test_4bit_codec_gives_the_default_bits_on_every_class_of_value(
+    isa, code, restore_isa, flush_denormal
+):
+    finite = _codec4_inputs(code)
+    # Blocks of non-finite values (the special scale) and a short last block among them.
+    special = torch.tensor([float("inf"), -float("inf"), float("nan"), 0.5] * 32)
+    x = torch.cat([finite, special, finite[:70]])
+    results = {}
+    for build in dict.fromkeys(["default", isa]):
+        assert _build.use_cpu_isa(build) == build
+        codes, scales = ruda_torch.ops.quantize_4bit(x, code)
+        results[build] = (codes, scales, ruda_torch.ops.dequantize_4bit(codes, scales, code))
+    torch.set_flush_denormal(False)
+    assert torch.equal(results[isa][0], results["default"][0]), f"{isa}: codes differ"
+    for got, want in zip(results[isa][1:], results["default"][1:], strict=True):
+        assert torch.equal(_bits(got), _bits(want))
+    # Every code pair under scales of every kind, as for 8 bits.
+    scales = torch.tensor([1.0, 3.0e38, 1.5e-38, 0.0, 7.25e-3, 2.0**-100, -1.0, -3.0e38, -0.0,
+                           float("nan"), -float("nan"), float("inf")])  # fmt: skip
+    every = torch.arange(256, dtype=torch.uint8).repeat(scales.numel() // 4)  # 64 B a block
+    decoded = {}
+    for build in dict.fromkeys(["default", isa]):
+        assert _build.use_cpu_isa(build) == build
+        decoded[build] = ruda_torch.ops.dequantize_4bit(every, scales, code)
+    torch.set_flush_denormal(False)
+    assert torch.equal(_bits(decoded[isa]), _bits(decoded["default"]))
+    # Not vacuous: every code of a finite block occurs (signed: all but -0, code 8; unsigned:
+    # all 16), and the special block's infinities and NaN.
+    coded = results[isa][0][: finite.numel() // 2]
+    nibbles = torch.cat([coded & 15, coded >> 4])
+    assert len(torch.unique(nibbles)) == (15 if code == "signed" else 16)
+    assert torch.isnan(results[isa][2][finite.numel() + 2]) and results[isa][1][-2] < 0

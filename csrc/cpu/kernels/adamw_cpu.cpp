@@ -12,6 +12,7 @@
 #include <utility>
 
 #include "adamw_math.h"
+#include "cpu/kernels/quant4_vec.h"
 #include "cpu/kernels/quant8_vec.h"
 #include "cpu/kernels/vec_load.h"
 #include "kernels.h"
@@ -643,6 +644,39 @@ void update_range8(const AdamWLaunch& L, const TensorEntry& e, const StepCoefs<f
 // update_span exactly as FP32 moments are, and coded again with its new scale: the step is
 // "decode, the FP32 step, encode" by construction. Indices [begin, end) of one tensor's walk
 // (a tile of whole blocks; Note [4-bit row blocks] maps them to elements, codes and scales).
+//
+// Note [One pass per 4-bit block]
+// As Note [One pass per 8-bit block]: with AVX-512 or AVX2 the update's loads decode the
+// codes (Code4Moment::load: a table in registers, quant4_vec.h), its stores keep the FP32
+// values in an L1 buffer and their largest magnitude in a register, and one vector pass
+// per moment codes the block; a block with non-finite moments (a negative scale, or an
+// infinity or NaN after the step) goes the per-pass way (decode_block4, encode_block4), as
+// does every block of the portable build. The same operations lane by lane as the scalar
+// codec: the same codes and scales.
+template <Code4 kCode>
+struct Code4Moment {
+  const uint8_t* base;  // the block's codes (from a byte boundary); element k at k - origin
+  float unit;
+  float* buf;
+  int64_t origin;
+  VI* largest;
+  static constexpr bool kBf16 = false;
+  static constexpr bool kCanonical = false;  // every NaN goes the per-pass way
+
+  inline Vec load(int64_t k) const {
+    return cpu::decode4_vec<kCode>(cpu::load_nibbles(base + ((k - origin) >> 1))) * Vec(unit);
+  }
+  inline void store(const Vec& x, int64_t k, const VI&) const {
+    x.store(buf + (k - origin));
+    *largest = at::vec::maximum(*largest, at::vec::cast<int32_t>(x) & VI(0x7FFFFFFF));
+  }
+  inline float get(int64_t k) const { return decode4<kCode>(nibble_at(base, k - origin)) * unit; }
+  inline void set(float x, int64_t k, uint32_t) const {
+    buf[k - origin] = x;
+    *largest = at::vec::maximum(*largest, VI(static_cast<int32_t>(magnitude_bits(x))));
+  }
+};
+
 template <typename P, typename G, bool AMSGRAD>
 void update_range4(const AdamWLaunch& L, const TensorEntry& e, const StepCoefs<float>& c, int64_t t,
                    int64_t begin, int64_t end) {
@@ -654,6 +688,29 @@ void update_range4(const AdamWLaunch& L, const TensorEntry& e, const StepCoefs<f
     const Block4 blk = block4_at(e, kc, end);
     const int64_t k0 = blk.first, n = blk.n, byte = blk.nibble >> 1;
     const int64_t b = scale_index4(e, kc);
+    if (kVectorUpdate && cpu::kCodec4Vec && cpu::vector_block(L.exp_avg_scales[b]) &&
+        cpu::vector_block(L.exp_avg_sq_scales[b]) &&
+        (!AMSGRAD || cpu::vector_block(L.max_exp_avg_sq_scales[b]))) {
+      VI largest[3] = {VI(0), VI(0), VI(0)};
+      const Code4Moment<Code4::kSigned> m{
+          mc + byte, block_unit4<Code4::kSigned>(L.exp_avg_scales[b]), mf, k0, &largest[0]};
+      const Code4Moment<Code4::kUnsigned> v{
+          vc + byte, block_unit4<Code4::kUnsigned>(L.exp_avg_sq_scales[b]), vf, k0, &largest[1]};
+      const Code4Moment<Code4::kUnsigned> vm{
+          AMSGRAD ? vmc + byte : nullptr,
+          AMSGRAD ? block_unit4<Code4::kUnsigned>(L.max_exp_avg_sq_scales[b]) : 0.0f, vmf, k0,
+          &largest[2]};
+      update_span<P, G, AMSGRAD>(L, e, c, t, k0, k0 + n, m, v, vm);
+      cpu::code_block4<Code4::kSigned>(mf, n, largest_lane(largest[0]), mc + byte,
+                                       L.exp_avg_scales + b);
+      cpu::code_block4<Code4::kUnsigned>(vf, n, largest_lane(largest[1]), vc + byte,
+                                         L.exp_avg_sq_scales + b);
+      if (AMSGRAD) {
+        cpu::code_block4<Code4::kUnsigned>(vmf, n, largest_lane(largest[2]), vmc + byte,
+                                           L.max_exp_avg_sq_scales + b);
+      }
+      continue;
+    }
     decode_block4<Code4::kSigned>(mc + byte, L.exp_avg_scales[b], n, mf);
     decode_block4<Code4::kUnsigned>(vc + byte, L.exp_avg_sq_scales[b], n, vf);
     if (AMSGRAD) decode_block4<Code4::kUnsigned>(vmc + byte, L.max_exp_avg_sq_scales[b], n, vmf);

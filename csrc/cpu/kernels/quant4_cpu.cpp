@@ -1,11 +1,13 @@
 // CPU kernels of quantize_4bit and dequantize_4bit (Note [4-bit moments] in csrc/quant4.h):
-// blocks of kBlock4 in parallel with at::parallel_for, each by the shared scalar codec (the
-// step's own: encode_block4 / decode_block4), so that these operators and the fused step
-// give the same bits on every ISA build.
+// blocks of kBlock4 in parallel with at::parallel_for, each by the step's own codec
+// (quant4_vec.h: vectors with AVX-512 or AVX2, quant4.h's scalar code otherwise), so that
+// these operators and the fused step give the same bits on every ISA build, and
+// tests/test_cpu_isa.py holds the vector codec to the scalar one on every class of value.
 #include <ATen/Parallel.h>
 
 #include <algorithm>
 
+#include "cpu/kernels/quant4_vec.h"
 #include "kernels.h"
 #include "quant4.h"
 
@@ -29,14 +31,15 @@ void for_each_block4(int64_t numel, const F& f) {
 template <Code4 kCode>
 void quantize_blocks4(const Quant8Launch& L) {
   for_each_block4(L.n, [&](int64_t b, int64_t begin, int64_t n) {
-    encode_block4<kCode>(L.x + begin, n, L.codes + begin / 2, L.scales + b);
+    const float* x = L.x + begin;
+    cpu::code_block4<kCode>(x, n, cpu::largest_magnitude(x, n), L.codes + begin / 2, L.scales + b);
   });
 }
 
 template <Code4 kCode>
 void dequantize_blocks4(const Quant8Launch& L) {
   for_each_block4(L.n, [&](int64_t b, int64_t begin, int64_t n) {
-    decode_block4<kCode>(L.codes + begin / 2, L.scales[b], n, L.out + begin);
+    cpu::decode_block4_vec<kCode>(L.codes + begin / 2, L.scales[b], n, L.out + begin);
   });
 }
 
