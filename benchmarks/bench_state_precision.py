@@ -9,6 +9,9 @@ Variants, the same FP32 parameters and gradients for each (its own copy):
   ours_8bit        ruda_torch.AdamW(fused_step=True, state_precision="8bit"): blockwise
                    8-bit moments (Note [8-bit moments] in csrc/quant8.h)
   torchao_8bit     torchao.optim.AdamW8bit (where torchao is installed; skipped otherwise)
+  ours_4bit        ruda_torch.AdamW(fused_step=True, state_precision="4bit"): blockwise
+                   4-bit moments, two codes a byte (Note [4-bit moments] in csrc/quant4.h)
+  torchao_4bit     torchao.optim.AdamW4bit (where torchao is installed; skipped otherwise)
   torch_fused_bf16 torch's fused step with BF16 moment tensors (torch 2.13/2.14 refuse it on
                    the CPU; the refusal is reported, and on a GPU it runs)
   stream_add       a.add_(b) over the same number of FP32 elements: the machine's own
@@ -17,13 +20,16 @@ The variants alternate (forward, then reversed) from one sample to the next; rep
 are the median, min and max per step, each variant's median ratio to torch_fused, and
 its bandwidth by the traffic model (bytes per element of one step: FP32 moments 28
 (parameter read and written, gradient read, two moments read and written), BF16 moments
-20, 8-bit moments 16 plus a scale per block) against stream_add's.
+20, 8-bit moments 16 plus a scale per block, 4-bit moments 14 plus a scale per block)
+against stream_add's. --variants runs a subset (torch_fused, the anchor, always runs).
 Also the optimizer state's bytes per parameter element, counted from the state itself.
 Tensor sizes are rounded to multiples of 256 (50M in 200 tensors: 200 x 250,112), so
 that torchao quantizes every tensor.
 
     .venv/bin/python benchmarks/bench_state_precision.py --elements 50M --tensors 200
     .venv/bin/python benchmarks/bench_state_precision.py --elements 20M --tensors 100 --row 1000
+    .venv/bin/python benchmarks/bench_state_precision.py --elements 20M --tensors 100 \
+        --variants ours_fp32,ours_8bit,ours_4bit,stream_add
 """
 
 from __future__ import annotations
@@ -45,7 +51,10 @@ import ruda_torch  # noqa: E402
 
 HYPER = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2)
 TRAFFIC = {"torch_fused": 28, "ours_fp32": 28, "ours_bf16": 20, "ours_8bit": 16,
-           "torchao_8bit": 16, "torch_fused_bf16": 20, "stream_add": 12}  # fmt: skip
+           "torchao_8bit": 16, "ours_4bit": 14, "torchao_4bit": 14, "torch_fused_bf16": 20,
+           "stream_add": 12}  # fmt: skip
+NAMES = ("torch_fused", "ours_fp32", "ours_bf16", "ours_8bit", "torchao_8bit", "ours_4bit",
+         "torchao_4bit", "torch_fused_bf16", "stream_add")  # fmt: skip
 
 
 def make_params(sizes: list, seed: int) -> list[torch.nn.Parameter]:
@@ -81,12 +90,14 @@ def build(name: str, sizes: list):
         opt = ruda_torch.AdamW(params, fused_step=True, state_precision="bf16", **HYPER)
     elif name == "ours_8bit":
         opt = ruda_torch.AdamW(params, fused_step=True, state_precision="8bit", **HYPER)
-    elif name == "torchao_8bit":
+    elif name == "ours_4bit":
+        opt = ruda_torch.AdamW(params, fused_step=True, state_precision="4bit", **HYPER)
+    elif name in ("torchao_8bit", "torchao_4bit"):
         try:
-            from torchao.optim import AdamW8bit
+            from torchao import optim as ao
         except ImportError as e:
             return None, f"torchao is not installed ({e})"
-        opt = AdamW8bit(params, **HYPER)
+        opt = (ao.AdamW8bit if name == "torchao_8bit" else ao.AdamW4bit)(params, **HYPER)
     elif name == "torch_fused_bf16":
         opt = torch.optim.AdamW(params, fused=True, **HYPER)
         for p in params:
@@ -119,8 +130,15 @@ def main(argv=None) -> int:
                     help="2-D tensors of rows of this many elements (default 0: 1-D tensors); "
                          "rows that are not whole blocks of 256 make the 8-bit blocks each "
                          "row's (Note [8-bit row blocks] in csrc/quant8.h)")  # fmt: skip
+    ap.add_argument("--variants", default=",".join(NAMES),
+                    help="comma-separated variants to run (default: all): "
+                         + ", ".join(NAMES))  # fmt: skip
     ap.add_argument("--json", type=Path, help="write the results here")
     args = ap.parse_args(argv)
+    wanted = [v for v in args.variants.split(",") if v]
+    unknown = sorted(set(wanted) - set(NAMES))
+    if unknown:
+        ap.error(f"--variants: unknown {', '.join(unknown)}; choose from {', '.join(NAMES)}")
     if args.row < 0:
         ap.error(f"--row must be 0 (1-D tensors) or a row length, got {args.row}")
     n = parse_elements(args.elements)[0]
@@ -134,15 +152,7 @@ def main(argv=None) -> int:
     shape = f"{each // args.row} x {args.row}" if args.row else f"{each:,}"
     print(f"{n:,} FP32 elements in {args.tensors} tensors of {shape}; CPU {env.get('cpu_model')}, "
           f"{torch.get_num_threads()} threads, torch {torch.__version__}", flush=True)  # fmt: skip
-    names = [
-        "torch_fused",
-        "ours_fp32",
-        "ours_bf16",
-        "ours_8bit",
-        "torchao_8bit",
-        "torch_fused_bf16",
-        "stream_add",
-    ]
+    names = [v for v in NAMES if v == "torch_fused" or v in wanted]
     steps, skipped, bytes_per = {}, {}, {}
     for name in names:
         print(f"  setting up {name} ...", flush=True)

@@ -20,9 +20,14 @@
 // Encoding: y = |x| * (top / scale) (one correctly rounded quotient per block, one product
 // per element), coded by encode_magnitude<2, 1> or <2, 2> of quant8.h (round to nearest on
 // the bits of y, ties to the even code: integer operations, the same on every backend).
-// Decoding: the code's exact value y times u = scale * (1 / top) (one product per block,
-// one per element). A block whose largest magnitude is below FP32's smallest normal is
-// stored as zeros (scale 0), as for 8 bits.
+// Decoding: the code's ratio to the top, ratio4 = value / top correctly rounded (an FP32
+// constant per code; the top code's is 1), times the scale: one product per element. So a
+// block's largest element decodes to its scale exactly, and values decoded and coded again
+// give back the same scale and codes (each decoded value is within an ulp or two of its
+// code's point, far from the midpoints between codes): FSDP1's FP32 state dicts and
+// dequantize_state_dict round-trip bit for bit, as the 8-bit codes (whose top is 1) do. A
+// block whose largest magnitude is below FP32's smallest normal is stored as zeros (scale
+// 0), as for 8 bits.
 //
 // Non-finite moments stay in their element, as in the FP32 step (Note [8-bit moments] has
 // why: an overflowing square makes one element's v infinite and moves its parameter by 0).
@@ -97,12 +102,6 @@ template <Code4 kCode>
 constexpr float kTop4 = kCode == Code4::kSigned ? 1.5f : 1.75f;
 template <Code4 kCode>
 constexpr float kTopSpecial4 = kCode == Code4::kSigned ? 1.0f : 1.25f;
-// Their reciprocals, correctly rounded at compile time: decoding multiplies by them.
-template <Code4 kCode>
-constexpr float kUnit4 = 1.0f / kTop4<kCode>;
-template <Code4 kCode>
-constexpr float kUnitSpecial4 = 1.0f / kTopSpecial4<kCode>;
-
 // The code of y = |x| * inverse (y <= top (1 + 2^-22), finite, with the sign of x for the
 // signed code; y < 2 holds for both tops).
 template <Code4 kCode>
@@ -129,11 +128,16 @@ RUDA_HOST_DEVICE inline float decode4(uint32_t code) {
   }
 }
 
-// The per-block unit u of a stored scale: what a code's value is multiplied by.
+// A code's value in units of its block's scale: decode4(code) / top, correctly rounded (1 for
+// the top code of either kind of block). Decoding multiplies it by the scale's magnitude.
 template <Code4 kCode>
-RUDA_HOST_DEVICE inline float block_unit4(float scale) {
-  const float a = float_from_bits(magnitude_bits(scale));
-  return a * (special_block(scale) ? kUnitSpecial4<kCode> : kUnit4<kCode>);
+RUDA_HOST_DEVICE inline float ratio4(uint32_t code, bool special) {
+  return decode4<kCode>(code) / (special ? kTopSpecial4<kCode> : kTop4<kCode>);
+}
+
+// The scale's magnitude (a block with non-finite values stores it negated).
+RUDA_HOST_DEVICE inline float scale_magnitude4(float scale) {
+  return float_from_bits(magnitude_bits(scale));
 }
 
 // What y = |x| * inverse uses: top / |scale|, or 0 for a block stored as zeros.
@@ -150,16 +154,15 @@ constexpr uint32_t kInf4 = kCode == Code4::kSigned ? 7u : 15u;
 template <Code4 kCode>
 constexpr uint32_t kNaN4 = kCode == Code4::kSigned ? 8u : 14u;
 
-// The value of a code in a block of scale `scale` (unit `u`, block_unit4).
+// The value of a code in a block of a negated scale (a block with non-finite values) of
+// magnitude a: the special codes' infinities and NaN, the others' ratio4 times a.
 template <Code4 kCode>
-RUDA_HOST_DEVICE inline float dequantize4(uint32_t code, float scale, float u) {
-  if (special_block(scale)) {
-    if (code == kNaN4<kCode>) return float_from_bits(kCanonicalNaNBits);
-    if ((code & (kCode == Code4::kSigned ? 7u : 15u)) == kInf4<kCode>) {
-      return float_from_bits(kInfBits | ((code & 8u & mask_if(kCode == Code4::kSigned)) << 28));
-    }
+RUDA_HOST_DEVICE inline float dequantize4_special(uint32_t code, float a) {
+  if (code == kNaN4<kCode>) return float_from_bits(kCanonicalNaNBits);
+  if ((code & (kCode == Code4::kSigned ? 7u : 15u)) == kInf4<kCode>) {
+    return float_from_bits(kInfBits | ((code & 8u & mask_if(kCode == Code4::kSigned)) << 28));
   }
-  return decode4<kCode>(code) * u;
+  return ratio4<kCode>(code, true) * a;
 }
 
 // The code of x in a block (inverse as block_inverse4 of its stored scale).
@@ -184,12 +187,14 @@ RUDA_HOST_DEVICE inline uint32_t nibble_at(const uint8_t* codes, int64_t k) {
 template <Code4 kCode>
 RUDA_HOST_DEVICE inline void decode_block4(const uint8_t* codes, float scale, int64_t n,
                                            float* out) {
-  const float u = block_unit4<kCode>(scale);
+  const float a = scale_magnitude4(scale);
   if (special_block(scale)) {
-    for (int64_t j = 0; j < n; ++j) out[j] = dequantize4<kCode>(nibble_at(codes, j), scale, u);
+    for (int64_t j = 0; j < n; ++j) out[j] = dequantize4_special<kCode>(nibble_at(codes, j), a);
     return;
   }
-  for (int64_t j = 0; j < n; ++j) out[j] = decode4<kCode>(nibble_at(codes, j)) * u;
+  float ratios[16];
+  for (uint32_t code = 0; code < 16; ++code) ratios[code] = ratio4<kCode>(code, false);
+  for (int64_t j = 0; j < n; ++j) out[j] = ratios[nibble_at(codes, j)] * a;
 }
 
 // n values (n <= kBlock4) of one block coded: its scale into *scale, the codes from a byte

@@ -484,13 +484,16 @@ def test_options_and_entries_are_refused_before_any_write():
         assert torch.equal(a, b)
 
 
-def test_memory_per_parameter_of_a_bf16_model_with_8bit_moments():
+@pytest.mark.parametrize("precision,want", [("8bit", 8.031), ("4bit", 7.063)])
+def test_memory_per_parameter_of_a_bf16_model_with_low_bit_moments(precision, want):
     """Measured from the tensors the step keeps: parameter, gradient and every tensor the
-    optimizer owns (its buckets), per parameter element."""
+    optimizer owns (its buckets), per parameter element: 2 + 2 + 2 (the remainder) + the
+    moments (one byte each and an FP32 scale per 256, or half a byte each and a scale
+    per 128)."""
     n = 4096 * 256
     p = torch.nn.Parameter(torch.randn(n).to(BF16))
     opt = ruda_torch.AdamW([p], lr=1e-3, fused_step=True, master_weights="remainder",
-                           state_precision="8bit")  # fmt: skip
+                           state_precision=precision)  # fmt: skip
     p.grad = torch.randn(n).to(BF16)
     opt.step()
     seen, total = set(), 0
@@ -502,7 +505,7 @@ def test_memory_per_parameter_of_a_bf16_model_with_8bit_moments():
         if s.data_ptr() not in seen:
             seen.add(s.data_ptr())
             total += s.nbytes()
-    assert abs(total / n - 8.03) <= 0.05, total / n
+    assert abs(total / n - want) <= 0.001, total / n
 
 
 # ------------------------------------------------------------ sharded (2 ranks, gloo)

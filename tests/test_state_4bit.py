@@ -100,14 +100,14 @@ def reference_dequantize(codes: torch.Tensor, scales: torch.Tensor, code: str) -
     block = torch.arange(nib.shape[1]) // 128
     scale = s[:, block]
     special = torch.signbit(scale)
-    unit_top = torch.where(special, 1.0 if signed else 1.25, 1.5 if signed else 1.75)
-    unit = scale.abs() * (1.0 / unit_top.float()).float()  # FP32 constants, one product
+    top = torch.where(special, 1.0 if signed else 1.25, 1.5 if signed else 1.75).float()
     table = torch.tensor(M_VALUES if signed else V_VALUES, dtype=torch.float32)
     if signed:
         value = table[nib & 7] * torch.where(nib >= 8, -1.0, 1.0)
     else:
         value = table[nib]
-    out = value * unit
+    # The code's ratio to the top (an FP32 quotient: 1 for the top code) times the scale.
+    out = (value / top) * scale.abs()
     nan = torch.tensor(0x7FFFFFFF, dtype=torch.int32).view(torch.float32)  # the kernels' NaN
     if signed:
         out = torch.where(
@@ -153,6 +153,21 @@ def test_codec_matches_the_definition(shape, code):
     scale = scales.reshape(rows, -1)[:, torch.arange(err.shape[1]) // 128]
     bound = 1 / 6 if code == "signed" else 1 / 14
     assert (err <= scale * bound * (1 + 1e-6)).all()
+
+
+@pytest.mark.parametrize("code", ["signed", "unsigned"])
+def test_decoded_values_code_back_to_the_same_codes_and_scales(code):
+    """Decoding then coding again is the identity on codes and scales (Note [4-bit moments]:
+    a block's largest decodes to its scale), blocks with non-finite values too: what makes
+    FSDP1's FP32 state dicts and dequantize_state_dict round-trip bit for bit."""
+    x = _moment((7, 1030), code, seed=3)
+    x[2, 5], x[4, 700] = float("inf"), float("nan")
+    x[5, 130:258] = 0.0  # a block of zeros
+    codes, scales = ops.quantize_4bit(x, code)
+    codes2, scales2 = ops.quantize_4bit(ops.dequantize_4bit(codes, scales, code), code)
+    assert torch.equal(codes2, codes)
+    assert same_bits(scales2, scales)
+    assert (scales < 0).sum() == 2  # not vacuous: the special blocks went through
 
 
 def test_a_positive_second_moment_never_decodes_to_zero():

@@ -425,6 +425,34 @@ def test_state_bytes_per_element_are_halved():
 # ------------------------------------------------------------------- sharded (2 ranks)
 
 
+def _low_bit_model(precision: str) -> dict:
+    """The optimizer keywords of a low-bit precision, and for 4 bits the tests' model with
+    even in-features (8, 14, 6 -> 4), whose weights' rows pair into bytes (an odd last
+    dimension keeps 8 bits: Note [4-bit buckets] in ruda_torch/_state4bit.py) and an even
+    number of elements per rank in FSDP1's flat parameter (244 over 2 ranks). Called first
+    in each rank's scenario: the widths are test_distributed's globals, per process."""
+    if precision == "4bit":
+        import test_distributed as td
+
+        td.IN_FEATURES, td.HIDDEN1, td.HIDDEN2, td.OUT_FEATURES = 8, 14, 6, 4
+    # The tests' model is small: every parameter in low bits.
+    return dict(min_8bit_size=1) if precision in ("8bit", "4bit") else {}
+
+
+def _stored_forms(st: dict) -> set[str]:
+    """Which forms a parameter's moments are stored in: "fp32", "bf16", "8bit", "4bit"."""
+    out = set()
+    for key in ("exp_avg", "exp_avg_sq"):
+        if key + "_codes4" in st:
+            out.add("4bit")
+        elif key + "_codes" in st:
+            out.add("8bit")
+        else:
+            dtype = (st[key].to_local() if hasattr(st[key], "to_local") else st[key]).dtype
+            out.add("bf16" if dtype == torch.bfloat16 else "fp32")
+    return out
+
+
 def scenario_low_precision_sharded(
     rank: int, workdir: str, setup: str, flow: str, precision: str = "bf16"
 ) -> None:
@@ -446,26 +474,32 @@ def scenario_low_precision_sharded(
         train,
     )  # fmt: skip
 
-    kw = dict(state_precision=precision, rounding_seed=5)
-    if precision == "8bit":
-        kw["min_8bit_size"] = 1  # the tests' model is small: every parameter in 8 bits
+    kw = dict(state_precision=precision, rounding_seed=5, **_low_bit_model(precision))
     path = os.path.join(workdir, f"ckpt-{flow}")
     model, opt = build(setup, **kw)
     train(model, opt, range(SAVE_AFTER), rank)
+    forms = set()
     for p in model.parameters():
         st = opt.state.get(p)
         if st:
             # A 1-D DTensor keeps FP32 moments (Note [8-bit blocks on every mesh] in
             # ruda_torch/_state8bit.py).
-            if precision == "8bit" and p.dim() < 2 and hasattr(p, "to_local"):
+            if precision in ("8bit", "4bit") and p.dim() < 2 and hasattr(p, "to_local"):
                 assert _local(st["exp_avg"]).dtype == torch.float32
                 continue
+            forms |= _stored_forms(st)
             for key in ("exp_avg", "exp_avg_sq"):
-                keys = [key] if precision == "bf16" else [key + "_codes", key + "_scales"]
-                dtypes = [torch.bfloat16] if precision == "bf16" else [torch.uint8, torch.float32]
+                if precision == "bf16":
+                    keys, dtypes = [key], [torch.bfloat16]
+                elif key + "_codes4" in st:  # 4-bit where the last dimension is even
+                    keys, dtypes = [key + "_codes4", key + "_scales4"], [torch.uint8, torch.float32]
+                else:
+                    keys, dtypes = [key + "_codes", key + "_scales"], [torch.uint8, torch.float32]
                 for k, dtype in zip(keys, dtypes, strict=True):
                     assert _local(st[k]).dtype == dtype, k
                     assert hasattr(st[k], "to_local") == hasattr(p, "to_local"), k  # DTensors
+    # Not vacuous: the precision asked for is what the state holds (4 bits with 8 beside).
+    assert precision in forms or not forms, forms
     fresh, fresh_opt, expected_params, expected_state = resume_bit_for_bit(
         flow, setup, model, opt, path, rank, **kw
     )
@@ -481,7 +515,7 @@ def scenario_low_precision_sharded(
     assert_same_bits(local_state(fresh, fresh_opt), expected_state, "state after a skip")
 
 
-@pytest.mark.parametrize("precision", ["bf16", "8bit"])
+@pytest.mark.parametrize("precision", ["bf16", "8bit", "4bit"])
 @pytest.mark.parametrize(
     "setup,flow", [("fsdp2", "dcp-sharded"), ("hsdp", "dcp-sharded"),
                    ("fsdp1", "fsdp1-optim-state-dict"), ("fsdp1-orig-params", "dcp-sharded")],
@@ -500,18 +534,20 @@ def scenario_low_precision_zero(rank: int, workdir: str, precision: str) -> None
     that stepped past it resumes bit for bit."""
     from test_distributed import assert_same_bits, zero_resume
 
-    kw = dict(min_8bit_size=1) if precision == "8bit" else {}
+    kw = _low_bit_model(precision)
     straight, resumed, opt = zero_resume(rank, ruda_torch.AdamW, fused_step=True,
                                          state_precision=precision, **kw)  # fmt: skip
     local = opt.optim.state
+    assert local
     if precision == "bf16":
-        assert local and all(st["exp_avg"].dtype == torch.bfloat16 for st in local.values())
+        assert all(st["exp_avg"].dtype == torch.bfloat16 for st in local.values())
     else:
-        assert local and all(st["exp_avg_codes"].dtype == torch.uint8 for st in local.values())
+        forms = set().union(*(_stored_forms(st) for st in local.values()))
+        assert precision in forms and forms <= {"8bit", "4bit"}, forms
     assert_same_bits(resumed, straight, "ZeRO resume")
 
 
-@pytest.mark.parametrize("precision", ["bf16", "8bit"])
+@pytest.mark.parametrize("precision", ["bf16", "8bit", "4bit"])
 def test_low_precision_moments_under_zero_resume_bit_for_bit(tmp_path, precision):
     from test_distributed import run_scenario
 
@@ -526,13 +562,13 @@ def _fsdp2(precision: str):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
+    kw = _low_bit_model(precision)  # first: the widths make_model reads
     model = make_model()
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     for layer in model:
         if isinstance(layer, torch.nn.Linear):
             fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
-    kw = dict(min_8bit_size=1) if precision == "8bit" else {}
     opt = ruda_torch.AdamW(model.parameters(), **HP, fused_step=True, state_precision=precision,
                            hierarchical_stats=True, max_grad_norm=1.0, **kw)  # fmt: skip
     return model, opt
@@ -587,7 +623,7 @@ def scenario_dcp_load(rank: int, workdir: str, path: str, precision: str) -> Non
     train(model, opt, range(SAVE_AFTER, STEPS), rank)  # and it trains on
 
 
-@pytest.mark.parametrize("precision", ["bf16", "8bit"])
+@pytest.mark.parametrize("precision", ["bf16", "8bit", "4bit"])
 def test_dcp_checkpoint_on_another_number_of_ranks(tmp_path, precision):
     """Saved by 2 FSDP2 ranks, loaded by 1: DCP reshards the DTensors, and the moments (BF16,
     or 8-bit codes and scales, whose blocks are the rows': Note [8-bit blocks on every

@@ -507,6 +507,14 @@ struct Code8Moment {
 
 // The largest lane of x.
 inline uint32_t largest_lane(const VI& x) {
+#if defined(CPU_CAPABILITY_AVX512)
+  return static_cast<uint32_t>(std::max(0, _mm512_reduce_max_epi32(x)));
+#elif defined(CPU_CAPABILITY_AVX2)
+  __m256i m = _mm256_max_epi32(x, _mm256_permute2x128_si256(x, x, 1));
+  m = _mm256_max_epi32(m, _mm256_shuffle_epi32(m, 0x4E));
+  m = _mm256_max_epi32(m, _mm256_shuffle_epi32(m, 0xB1));
+  return static_cast<uint32_t>(std::max(0, _mm256_cvtsi256_si32(m)));
+#endif
   alignas(64) int32_t lanes[VI::size()];
   x.store(lanes);
   int32_t out = 0;
@@ -522,10 +530,56 @@ constexpr bool kPipelineCodes = true;
 constexpr bool kPipelineCodes = false;
 #endif
 
+// The 8-bit and 4-bit codecs as PendingCodes and scale_block use them: a moment's codes
+// (kSigned: exp_avg's) of a whole vector from element j, of the elements from j to n by
+// scalars, of a block with non-finite values, and a block's inverse scale.
+struct Codes8 {
+  template <bool kSigned>
+  static constexpr Code8 kCode = kSigned ? Code8::kSigned : Code8::kUnsigned;
+  template <bool kSigned>
+  static inline void vector(const Vec& q, uint8_t* codes, int64_t j) {
+    cpu::encode8_store<kCode<kSigned>>(q, codes + j);
+  }
+  template <bool kSigned>
+  static inline void tail(const float* x, float inverse, uint8_t* codes, int64_t j, int64_t n) {
+    for (; j < n; ++j) codes[j] = encode8<kCode<kSigned>>(x[j] * inverse);
+  }
+  template <bool kSigned>
+  static inline void block(const float* x, int64_t n, uint8_t* codes, float* scale) {
+    encode_block<kCode<kSigned>>(x, n, codes, scale);
+  }
+  template <bool kSigned>
+  static inline float inverse(float scale) {
+    return block_inverse(scale);
+  }
+};
+
+struct Codes4 {  // two codes a byte: element j's at nibble j (j even at a byte boundary)
+  template <bool kSigned>
+  static constexpr Code4 kCode = kSigned ? Code4::kSigned : Code4::kUnsigned;
+  template <bool kSigned>
+  static inline void vector(const Vec& y, uint8_t* codes, int64_t j) {
+    cpu::encode4_store<kCode<kSigned>>(y, codes + j / 2);
+  }
+  template <bool kSigned>
+  static inline void tail(const float* x, float inverse, uint8_t* codes, int64_t j, int64_t n) {
+    cpu::encode4_tail<kCode<kSigned>>(x, inverse, codes, j, n);
+  }
+  template <bool kSigned>
+  static inline void block(const float* x, int64_t n, uint8_t* codes, float* scale) {
+    encode_block4<kCode<kSigned>>(x, n, codes, scale);
+  }
+  template <bool kSigned>
+  static inline float inverse(float scale) {
+    return block_inverse4<kCode<kSigned>>(scale);
+  }
+};
+
 // A block's moments waiting for their codes (Note [One pass per 8-bit block]): up to three
 // moments' FP32 values, each with its block's inverse scale and where its codes go, and the
-// block's element count (a row's last block may be shorter than kBlock8: Note [8-bit row
+// block's element count (a row's last block may be shorter than the block: Note [8-bit row
 // blocks] in csrc/quant8.h; its codes end where the next row's begin).
+template <typename Codes>
 struct PendingCodes {
   const float* x[3] = {nullptr, nullptr, nullptr};
   float inverse[3] = {0.0f, 0.0f, 0.0f};
@@ -536,11 +590,12 @@ struct PendingCodes {
   // block's (code_from codes the rest).
   inline void code_vector(int64_t j) const {
     if (j + Vec::size() > n) return;
-    if (x[0] != nullptr)
-      cpu::encode8_store<Code8::kSigned>(Vec::loadu(x[0] + j) * Vec(inverse[0]), codes[0] + j);
+    if (x[0] != nullptr) {
+      Codes::template vector<true>(Vec::loadu(x[0] + j) * Vec(inverse[0]), codes[0], j);
+    }
     for (int q = 1; q < 3; ++q) {
       if (x[q] != nullptr) {
-        cpu::encode8_store<Code8::kUnsigned>(Vec::loadu(x[q] + j) * Vec(inverse[q]), codes[q] + j);
+        Codes::template vector<false>(Vec::loadu(x[q] + j) * Vec(inverse[q]), codes[q], j);
       }
     }
   }
@@ -550,10 +605,10 @@ struct PendingCodes {
   inline void code_from(int64_t j) {
     j = std::min(j, n / Vec::size() * Vec::size());  // a shorter block's last elements
     for (; j + Vec::size() <= n; j += Vec::size()) code_vector(j);
-    for (; j < n; ++j) {
-      if (x[0] != nullptr) codes[0][j] = encode8<Code8::kSigned>(x[0][j] * inverse[0]);
+    if (j < n) {
+      if (x[0] != nullptr) Codes::template tail<true>(x[0], inverse[0], codes[0], j, n);
       for (int q = 1; q < 3; ++q) {
-        if (x[q] != nullptr) codes[q][j] = encode8<Code8::kUnsigned>(x[q][j] * inverse[q]);
+        if (x[q] != nullptr) Codes::template tail<false>(x[q], inverse[q], codes[q], j, n);
       }
     }
     x[0] = x[1] = x[2] = nullptr;
@@ -564,18 +619,23 @@ struct PendingCodes {
 
 // The block's new scale from the largest magnitude of its n values (Note [8-bit moments]);
 // its codes now for a block with non-finite values (encode_block's own path), else left to
-// `pending`.
-template <Code8 kCode>
+// `pending` (moment q: 0 exp_avg, 1 exp_avg_sq, 2 max_exp_avg_sq).
+template <typename Codes>
 void scale_block(const float* x, int64_t n, uint32_t largest, uint8_t* codes, float* scale,
-                 PendingCodes& pending, int q) {
+                 PendingCodes<Codes>& pending, int q) {
   if (largest >= kInfBits) {
-    encode_block<kCode>(x, n, codes, scale);
+    if (q == 0) {
+      Codes::template block<true>(x, n, codes, scale);
+    } else {
+      Codes::template block<false>(x, n, codes, scale);
+    }
     return;
   }
   const float s = block_scale(largest, false);
   *scale = s;
   pending.x[q] = x;
-  pending.inverse[q] = block_inverse(s);
+  pending.inverse[q] =
+      q == 0 ? Codes::template inverse<true>(s) : Codes::template inverse<false>(s);
   pending.codes[q] = codes;
   pending.n = n;
 }
@@ -591,7 +651,7 @@ void update_range8(const AdamWLaunch& L, const TensorEntry& e, const StepCoefs<f
   uint8_t* const vmc = AMSGRAD ? static_cast<uint8_t*>(L.max_exp_avg_sq) + off : nullptr;
   // Two blocks' FP32 moments: the one stepped and the previous one being coded.
   alignas(64) float mf[2][kBlock8], vf[2][kBlock8], vmf[2][kBlock8];
-  PendingCodes pending;
+  PendingCodes<Codes8> pending;
   const auto code_pending = [&pending](int64_t k) { pending.code_vector(k); };
   int cur = 0;
   for (int64_t kc = begin; kc < end; kc += kBlock8) {
@@ -627,13 +687,11 @@ void update_range8(const AdamWLaunch& L, const TensorEntry& e, const StepCoefs<f
     } else {
       update_span<P, G, AMSGRAD>(L, e, c, t, kb, kb + n, m, v, vm);
     }
-    scale_block<Code8::kSigned>(mf[cur], n, largest_lane(largest[0]), mc + kb, L.exp_avg_scales + b,
-                                pending, 0);
-    scale_block<Code8::kUnsigned>(vf[cur], n, largest_lane(largest[1]), vc + kb,
-                                  L.exp_avg_sq_scales + b, pending, 1);
+    scale_block(mf[cur], n, largest_lane(largest[0]), mc + kb, L.exp_avg_scales + b, pending, 0);
+    scale_block(vf[cur], n, largest_lane(largest[1]), vc + kb, L.exp_avg_sq_scales + b, pending, 1);
     if (AMSGRAD) {
-      scale_block<Code8::kUnsigned>(vmf[cur], n, largest_lane(largest[2]), vmc + kb,
-                                    L.max_exp_avg_sq_scales + b, pending, 2);
+      scale_block(vmf[cur], n, largest_lane(largest[2]), vmc + kb, L.max_exp_avg_sq_scales + b,
+                  pending, 2);
     }
     if constexpr (!kPipelineCodes) pending.code_all();
   }
@@ -647,35 +705,65 @@ void update_range8(const AdamWLaunch& L, const TensorEntry& e, const StepCoefs<f
 //
 // Note [One pass per 4-bit block]
 // As Note [One pass per 8-bit block]: with AVX-512 or AVX2 the update's loads decode the
-// codes (Code4Moment::load: a table in registers, quant4_vec.h), its stores keep the FP32
-// values in an L1 buffer and their largest magnitude in a register, and one vector pass
-// per moment codes the block; a block with non-finite moments (a negative scale, or an
-// infinity or NaN after the step) goes the per-pass way (decode_block4, encode_block4), as
-// does every block of the portable build. The same operations lane by lane as the scalar
-// codec: the same codes and scales.
+// codes (Code4Moment::load: a table in registers, Note [4-bit codes through FP16] in
+// quant4_vec.h), its stores keep the FP32 values in an L1 buffer and their largest
+// magnitude in a register, and the block is coded a vector at a time inside the next
+// block's update loop with AVX-512 (kPipelineCodes), after its own with AVX2; a block with
+// non-finite moments (a negative scale, or an infinity or NaN after the step) goes the
+// per-pass way (update_block4), as does every block of the portable build. The same
+// operations lane by lane as the scalar codec: the same codes and scales.
 template <Code4 kCode>
 struct Code4Moment {
   const uint8_t* base;  // the block's codes (from a byte boundary); element k at k - origin
-  float unit;
+  cpu::Table4 table;    // ratio4(code) * the block's scale
+  const float* book;    // ratio4(code)
+  float scale;
   float* buf;
   int64_t origin;
   VI* largest;
   static constexpr bool kBf16 = false;
   static constexpr bool kCanonical = false;  // every NaN goes the per-pass way
 
-  inline Vec load(int64_t k) const {
-    return cpu::decode4_vec<kCode>(cpu::load_nibbles(base + ((k - origin) >> 1))) * Vec(unit);
-  }
+  inline Vec load(int64_t k) const { return table.decode(base + ((k - origin) >> 1)); }
   inline void store(const Vec& x, int64_t k, const VI&) const {
     x.store(buf + (k - origin));
     *largest = at::vec::maximum(*largest, at::vec::cast<int32_t>(x) & VI(0x7FFFFFFF));
   }
-  inline float get(int64_t k) const { return decode4<kCode>(nibble_at(base, k - origin)) * unit; }
+  inline float get(int64_t k) const { return book[nibble_at(base, k - origin)] * scale; }
   inline void set(float x, int64_t k, uint32_t) const {
     buf[k - origin] = x;
     *largest = at::vec::maximum(*largest, VI(static_cast<int32_t>(magnitude_bits(x))));
   }
 };
+
+template <Code4 kCode>
+inline Code4Moment<kCode> code4_moment(const uint8_t* base, float scale, float* buf, int64_t origin,
+                                       VI* largest) {
+  // Blocks of finite values only (vector_block: scale >= 0 is its own magnitude).
+  return {base,   cpu::Table4::of<kCode>(scale), cpu::code_book4<kCode>(), scale, buf, origin,
+          largest};
+}
+
+// One block the per-pass way: its elements [k0, k0 + n), codes from `byte` of each moment's
+// buffer, scales at index b.
+template <typename P, typename G, bool AMSGRAD>
+void update_block4(const AdamWLaunch& L, const TensorEntry& e, const StepCoefs<float>& c, int64_t t,
+                   int64_t k0, int64_t n, int64_t byte, int64_t b) {
+  uint8_t* const mc = static_cast<uint8_t*>(L.exp_avg) + byte;
+  uint8_t* const vc = static_cast<uint8_t*>(L.exp_avg_sq) + byte;
+  uint8_t* const vmc = AMSGRAD ? static_cast<uint8_t*>(L.max_exp_avg_sq) + byte : nullptr;
+  alignas(64) float mf[kBlock4], vf[kBlock4], vmf[kBlock4];
+  decode_block4<Code4::kSigned>(mc, L.exp_avg_scales[b], n, mf);
+  decode_block4<Code4::kUnsigned>(vc, L.exp_avg_sq_scales[b], n, vf);
+  if (AMSGRAD) decode_block4<Code4::kUnsigned>(vmc, L.max_exp_avg_sq_scales[b], n, vmf);
+  const MomentStore<float, float> m{mf, Rounding::kNearestEven, k0};
+  const MomentStore<float, float> v{vf, Rounding::kNearestEven, k0};
+  const MomentStore<float, float> vm{AMSGRAD ? vmf : nullptr, Rounding::kNearestEven, k0};
+  update_span<P, G, AMSGRAD>(L, e, c, t, k0, k0 + n, m, v, vm);
+  encode_block4<Code4::kSigned>(mf, n, mc, L.exp_avg_scales + b);
+  encode_block4<Code4::kUnsigned>(vf, n, vc, L.exp_avg_sq_scales + b);
+  if (AMSGRAD) encode_block4<Code4::kUnsigned>(vmf, n, vmc, L.max_exp_avg_sq_scales + b);
+}
 
 template <typename P, typename G, bool AMSGRAD>
 void update_range4(const AdamWLaunch& L, const TensorEntry& e, const StepCoefs<float>& c, int64_t t,
@@ -683,45 +771,48 @@ void update_range4(const AdamWLaunch& L, const TensorEntry& e, const StepCoefs<f
   uint8_t* const mc = static_cast<uint8_t*>(L.exp_avg);
   uint8_t* const vc = static_cast<uint8_t*>(L.exp_avg_sq);
   uint8_t* const vmc = AMSGRAD ? static_cast<uint8_t*>(L.max_exp_avg_sq) : nullptr;
-  alignas(64) float mf[kBlock4], vf[kBlock4], vmf[kBlock4];
+  // Two blocks' FP32 moments: the one stepped and the previous one being coded.
+  alignas(64) float mf[2][kBlock4], vf[2][kBlock4], vmf[2][kBlock4];
+  PendingCodes<Codes4> pending;
+  const auto code_pending = [&pending](int64_t k) { pending.code_vector(k); };
+  int cur = 0;
   for (int64_t kc = begin; kc < end; kc += kBlock4) {
     const Block4 blk = block4_at(e, kc, end);
     const int64_t k0 = blk.first, n = blk.n, byte = blk.nibble >> 1;
     const int64_t b = scale_index4(e, kc);
-    if (kVectorUpdate && cpu::kCodec4Vec && cpu::vector_block(L.exp_avg_scales[b]) &&
-        cpu::vector_block(L.exp_avg_sq_scales[b]) &&
-        (!AMSGRAD || cpu::vector_block(L.max_exp_avg_sq_scales[b]))) {
-      VI largest[3] = {VI(0), VI(0), VI(0)};
-      const Code4Moment<Code4::kSigned> m{
-          mc + byte, block_unit4<Code4::kSigned>(L.exp_avg_scales[b]), mf, k0, &largest[0]};
-      const Code4Moment<Code4::kUnsigned> v{
-          vc + byte, block_unit4<Code4::kUnsigned>(L.exp_avg_sq_scales[b]), vf, k0, &largest[1]};
-      const Code4Moment<Code4::kUnsigned> vm{
-          AMSGRAD ? vmc + byte : nullptr,
-          AMSGRAD ? block_unit4<Code4::kUnsigned>(L.max_exp_avg_sq_scales[b]) : 0.0f, vmf, k0,
-          &largest[2]};
-      update_span<P, G, AMSGRAD>(L, e, c, t, k0, k0 + n, m, v, vm);
-      cpu::code_block4<Code4::kSigned>(mf, n, largest_lane(largest[0]), mc + byte,
-                                       L.exp_avg_scales + b);
-      cpu::code_block4<Code4::kUnsigned>(vf, n, largest_lane(largest[1]), vc + byte,
-                                         L.exp_avg_sq_scales + b);
-      if (AMSGRAD) {
-        cpu::code_block4<Code4::kUnsigned>(vmf, n, largest_lane(largest[2]), vmc + byte,
-                                           L.max_exp_avg_sq_scales + b);
-      }
+    if (!kVectorUpdate || !cpu::kCodec4Vec || !cpu::vector_block(L.exp_avg_scales[b]) ||
+        !cpu::vector_block(L.exp_avg_sq_scales[b]) ||
+        (AMSGRAD && !cpu::vector_block(L.max_exp_avg_sq_scales[b]))) {
+      pending.code_all();
+      update_block4<P, G, AMSGRAD>(L, e, c, t, k0, n, byte, b);
       continue;
     }
-    decode_block4<Code4::kSigned>(mc + byte, L.exp_avg_scales[b], n, mf);
-    decode_block4<Code4::kUnsigned>(vc + byte, L.exp_avg_sq_scales[b], n, vf);
-    if (AMSGRAD) decode_block4<Code4::kUnsigned>(vmc + byte, L.max_exp_avg_sq_scales[b], n, vmf);
-    const MomentStore<float, float> m{mf, Rounding::kNearestEven, k0};
-    const MomentStore<float, float> v{vf, Rounding::kNearestEven, k0};
-    const MomentStore<float, float> vm{AMSGRAD ? vmf : nullptr, Rounding::kNearestEven, k0};
-    update_span<P, G, AMSGRAD>(L, e, c, t, k0, k0 + n, m, v, vm);
-    encode_block4<Code4::kSigned>(mf, n, mc + byte, L.exp_avg_scales + b);
-    encode_block4<Code4::kUnsigned>(vf, n, vc + byte, L.exp_avg_sq_scales + b);
-    if (AMSGRAD) encode_block4<Code4::kUnsigned>(vmf, n, vmc + byte, L.max_exp_avg_sq_scales + b);
+    cur ^= 1;
+    VI largest[3] = {VI(0), VI(0), VI(0)};
+    const auto m =
+        code4_moment<Code4::kSigned>(mc + byte, L.exp_avg_scales[b], mf[cur], k0, &largest[0]);
+    const auto v =
+        code4_moment<Code4::kUnsigned>(vc + byte, L.exp_avg_sq_scales[b], vf[cur], k0, &largest[1]);
+    const auto vm = code4_moment<Code4::kUnsigned>(AMSGRAD ? vmc + byte : nullptr,
+                                                   AMSGRAD ? L.max_exp_avg_sq_scales[b] : 0.0f,
+                                                   vmf[cur], k0, &largest[2]);
+    if constexpr (kPipelineCodes) {  // as update_range8
+      update_span<P, G, AMSGRAD>(L, e, c, t, k0, k0 + n, m, v, vm,
+                                 [&](int64_t k) { code_pending(k - k0); });
+      pending.code_from(n / Vec::size() * Vec::size());
+    } else {
+      update_span<P, G, AMSGRAD>(L, e, c, t, k0, k0 + n, m, v, vm);
+    }
+    scale_block(mf[cur], n, largest_lane(largest[0]), mc + byte, L.exp_avg_scales + b, pending, 0);
+    scale_block(vf[cur], n, largest_lane(largest[1]), vc + byte, L.exp_avg_sq_scales + b, pending,
+                1);
+    if (AMSGRAD) {
+      scale_block(vmf[cur], n, largest_lane(largest[2]), vmc + byte, L.max_exp_avg_sq_scales + b,
+                  pending, 2);
+    }
+    if constexpr (!kPipelineCodes) pending.code_all();
   }
+  pending.code_all();
 }
 
 // The storage type of 4-bit moments (a tag: two codes per byte).

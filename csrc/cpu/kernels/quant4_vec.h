@@ -2,10 +2,22 @@
 // lanes, for the CPU kernel's 4-bit step and the quantize_4bit / dequantize_4bit operators
 // with AVX-512 or AVX2: lane for lane the bits of quant4.h's scalar decode4 / encode4
 // (Note [One pass per 4-bit block] in adamw_cpu.cpp).
-// Decoding reads each code's exact value from a 16-entry table held in registers (a
-// permutation: AVX-512 takes all 16 entries in one, AVX2 two of 8) and multiplies it by
-// the block's unit, decode4(code) * u as the scalar code; encoding is quant8_vec.h's
-// encode_magnitude_vec<2, 1> / <2, 2>, the integer steps of quant4.h's encode_magnitude.
+//
+// Note [4-bit codes through FP16]
+// Decoding reads each code's value from a 16-entry table made once per block (Table4:
+// ratio4(code) times the block's scale for every code, one vector product) and held
+// in registers, one permutation per vector (AVX-512 all 16 entries in one, AVX2 two of 8
+// and a blend). Encoding goes through FP16 as the 8-bit codes do (Note [8-bit codes
+// through FP16] in quant8_vec.h): both 4-bit codes are FP16's layout cut short once the
+// magnitude is scaled by 2^-12 (exact). E2M2 and E2M1 have quant8.h's encode_magnitude
+// binades [2^-2, 2^-1), [2^-1, 1), [1, 2) with bias 3, which times 2^-12 are FP16's
+// exponent fields 1, 2, 3; their subnormal steps 2^-4 and 2^-3 become 2^8 and 2^9 of
+// FP16's 2^-24. So the code is the FP16 of |y| 2^-12 rounded to nearest even with 8 (E2M2)
+// or 9 (E2M1) bits dropped, which round_through_fp16 does by rounding to odd first (FP16
+// keeps 8 or 9 more bits than the code, at least the 2 that makes the double rounding
+// exact). About half the vector operations of encode_magnitude's arithmetic, most on
+// 16-bit lanes. Checked against the default build's scalar encode4 over every class of
+// value by tests/test_cpu_isa.py, with and without denormal flushing.
 #pragma once
 
 #include <ATen/cpu/vec/vec.h>
@@ -19,11 +31,27 @@
 namespace ruda {
 namespace cpu {
 
+// The 16 ratios of a code book in a block of finite values, ratio4<kCode>(code, false) in
+// entry `code` (made once).
+template <Code4 kCode>
+inline const float* code_book4() {
+  struct Book {
+    alignas(64) float v[16];
+    Book() {
+      for (uint32_t code = 0; code < 16; ++code) v[code] = ratio4<kCode>(code, false);
+    }
+  };
+  static const Book book;
+  return book.v;
+}
+
 #if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
 constexpr bool kCodec4Vec = true;
 
 // The VecI::size() codes from the byte at src, one per lane (the even element in the low
-// nibble of its byte): VecI::size() / 2 bytes.
+// nibble of its byte; VecI::size() / 2 bytes), in each lane's low 4 bits: the bits above
+// are left as they come, since the table's permutations read only the index bits (4 of
+// them with AVX-512; AVX2's two permutations read 3, its blend bit 3 moved to the top).
 inline VecI load_nibbles(const uint8_t* src) {
 #if defined(CPU_CAPABILITY_AVX512)
   const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(src));
@@ -32,10 +60,8 @@ inline VecI load_nibbles(const uint8_t* src) {
   std::memcpy(&word, src, 4);
   const __m128i bytes = _mm_cvtsi32_si128(word);
 #endif
-  const __m128i mask = _mm_set1_epi8(0x0F);
-  const __m128i low = _mm_and_si128(bytes, mask);
-  const __m128i high = _mm_and_si128(_mm_srli_epi16(bytes, 4), mask);
-  const __m128i nibbles = _mm_unpacklo_epi8(low, high);  // lo0 hi0 lo1 hi1 ...
+  // byte i, then byte i shifted down by 4 (its high nibble low): b0 b0>>4 b1 b1>>4 ...
+  const __m128i nibbles = _mm_unpacklo_epi8(bytes, _mm_srli_epi16(bytes, 4));
 #if defined(CPU_CAPABILITY_AVX512)
   return _mm512_cvtepu8_epi32(nibbles);
 #else
@@ -43,97 +69,108 @@ inline VecI load_nibbles(const uint8_t* src) {
 #endif
 }
 
-// The codes of VecI::size() lanes (0..15 each) packed two per byte to dst.
-inline void store_nibbles(const VecI& codes, uint8_t* dst) {
+// A block's decoding table in registers (Note [4-bit codes through FP16]).
+struct Table4 {
 #if defined(CPU_CAPABILITY_AVX512)
-  const __m128i bytes = _mm512_cvtepi32_epi8(codes);  // c0 .. c15
+  __m512 all;
 #else
-  const __m256i words = _mm256_packus_epi32(codes, codes);
-  const __m256i packed = _mm256_packus_epi16(words, words);
-  const __m128i bytes = _mm256_castsi256_si128(
-      _mm256_permutevar8x32_epi32(packed, _mm256_setr_epi32(0, 4, 0, 4, 0, 4, 0, 4)));
+  __m256 low, high;
 #endif
-  // Each 16-bit word holds c(2i) | c(2i+1) << 8: its byte is c(2i) | c(2i+1) << 4.
-  const __m128i folded =
-      _mm_or_si128(_mm_and_si128(bytes, _mm_set1_epi16(0x000F)),
-                   _mm_and_si128(_mm_srli_epi16(bytes, 4), _mm_set1_epi16(0x00F0)));
-  const __m128i out = _mm_packus_epi16(folded, folded);
+
+  // ratio4(code) * a (a: the scale's magnitude) in entry `code`: the scalar products.
+  template <Code4 kCode>
+  static inline Table4 of(float a) {
+    const float* book = code_book4<kCode>();
 #if defined(CPU_CAPABILITY_AVX512)
-  _mm_storel_epi64(reinterpret_cast<__m128i*>(dst), out);
+    return {_mm512_mul_ps(_mm512_load_ps(book), _mm512_set1_ps(a))};
 #else
-  const int32_t word = _mm_cvtsi128_si32(out);
+    const __m256 unit = _mm256_set1_ps(a);
+    return {_mm256_mul_ps(_mm256_load_ps(book), unit),
+            _mm256_mul_ps(_mm256_load_ps(book + 8), unit)};
+#endif
+  }
+
+  // The values of the VecF::size() codes from the byte at src.
+  inline VecF decode(const uint8_t* src) const {
+    const VecI code = load_nibbles(src);
+#if defined(CPU_CAPABILITY_AVX512)
+    return _mm512_permutexvar_ps(code, all);
+#else
+    const __m256 lo = _mm256_permutevar8x32_ps(low, code);
+    const __m256 hi = _mm256_permutevar8x32_ps(high, code);
+    // bit 3 of the code to the sign bit: blendv's selector
+    return _mm256_blendv_ps(lo, hi, _mm256_castsi256_ps(_mm256_slli_epi32(code, 28)));
+#endif
+  }
+};
+
+// encode4<kCode>(y) of VecF::size() lanes (finite, |y| < 2) packed two a byte to dst
+// (VecF::size() / 2 bytes).
+template <Code4 kCode>
+inline void encode4_store(const VecF& y, uint8_t* dst) {
+  constexpr int kDrop = kCode == Code4::kSigned ? 9 : 8;
+#if defined(CPU_CAPABILITY_AVX512)
+  const __m512i bits = _mm512_castps_si512(y);
+  const __m512i abs_bits = _mm512_and_si512(bits, _mm512_set1_epi32(0x7FFFFFFF));
+  const __m512 a = _mm512_mul_ps(_mm512_castsi512_ps(abs_bits), _mm512_set1_ps(0x1p-12f));
+  __m256i code = round_through_fp16<kDrop>(a);
+  if constexpr (kCode == Code4::kSigned) {  // the sign where the magnitude is not 0
+    const __mmask16 negative = _mm512_movepi32_mask(bits) & _mm256_test_epi16_mask(code, code);
+    code = _mm256_mask_add_epi16(code, negative, code, _mm256_set1_epi16(8));
+  } else {  // a value that is not zero never has the code 0
+    code = _mm256_mask_max_epu16(code, _mm512_test_epi32_mask(abs_bits, abs_bits), code,
+                                 _mm256_set1_epi16(1));
+  }
+  // Each 32-bit lane holds c(2i) | c(2i+1) << 16: its low byte c(2i) | c(2i+1) << 4.
+  const __m256i pairs = _mm256_or_si256(code, _mm256_srli_epi32(code, 12));
+  _mm_storel_epi64(reinterpret_cast<__m128i*>(dst), _mm256_cvtepi32_epi8(pairs));
+#else
+  const __m256i bits = _mm256_castps_si256(y);
+  const __m256i abs_bits = _mm256_and_si256(bits, _mm256_set1_epi32(0x7FFFFFFF));
+  const __m256 a = _mm256_mul_ps(_mm256_castsi256_ps(abs_bits), _mm256_set1_ps(0x1p-12f));
+  __m128i code = round_through_fp16<kDrop>(a);
+  if constexpr (kCode == Code4::kSigned) {
+    const __m128i sign = _mm_and_si128(mask16_of(_mm256_srai_epi32(bits, 31)), _mm_set1_epi16(8));
+    code = _mm_or_si128(code, _mm_andnot_si128(_mm_cmpeq_epi16(code, _mm_setzero_si128()), sign));
+  } else {
+    const __m128i zero16 = mask16_of(_mm256_cmpeq_epi32(abs_bits, _mm256_setzero_si256()));
+    code = _mm_max_epu16(code, _mm_andnot_si128(zero16, _mm_set1_epi16(1)));
+  }
+  const __m128i pairs = _mm_or_si128(code, _mm_srli_epi32(code, 12));
+  const __m128i bytes = _mm_shuffle_epi8(
+      pairs, _mm_setr_epi8(0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1));
+  const int32_t word = _mm_cvtsi128_si32(bytes);
   std::memcpy(dst, &word, 4);
 #endif
-}
-
-// decode4<kCode>(code) of every lane: the exact code values.
-template <Code4 kCode>
-inline VecF decode4_vec(const VecI& code) {
-  alignas(64) static const float table[16] = {
-      decode4<kCode>(0),  decode4<kCode>(1),  decode4<kCode>(2),  decode4<kCode>(3),
-      decode4<kCode>(4),  decode4<kCode>(5),  decode4<kCode>(6),  decode4<kCode>(7),
-      decode4<kCode>(8),  decode4<kCode>(9),  decode4<kCode>(10), decode4<kCode>(11),
-      decode4<kCode>(12), decode4<kCode>(13), decode4<kCode>(14), decode4<kCode>(15)};
-#if defined(CPU_CAPABILITY_AVX512)
-  return _mm512_permutexvar_ps(code, _mm512_load_ps(table));
-#else
-  const __m256 low = _mm256_permutevar8x32_ps(_mm256_load_ps(table), code);
-  const __m256 high = _mm256_permutevar8x32_ps(_mm256_load_ps(table + 8), code);
-  const __m256i upper = _mm256_slli_epi32(code, 28);  // bit 3 of the code to the sign bit
-  return _mm256_blendv_ps(low, high, _mm256_castsi256_ps(upper));
-#endif
-}
-
-// encode4<kCode>(y) of every lane (y = x * inverse, finite, |y| < 2).
-template <Code4 kCode>
-inline VecI encode4_vec(const VecF& y) {
-  const VecI bits = bits_of(y);
-  const VecI abs_bits = bits & VecI(0x7FFFFFFF);
-  if constexpr (kCode == Code4::kSigned) {
-    const VecI magnitude = encode_magnitude_vec<2, 1>(float_of(abs_bits));
-    const VecI sign = shl_lanes<3>(shr_lanes<31>(bits));
-    return (sign & (magnitude != VecI(0))) | magnitude;
-  } else {
-    const VecI code = encode_magnitude_vec<2, 2>(float_of(abs_bits));
-    return code | (VecI(1) & (code == VecI(0)) & (abs_bits != VecI(0)));
-  }
 }
 #else
 // The portable build steps 4-bit blocks the per-pass way (Note [One pass per 4-bit block]);
 // these lane-by-lane forms only keep the shared code compiling.
 constexpr bool kCodec4Vec = false;
 
-inline VecI load_nibbles(const uint8_t* src) {
-  alignas(64) int32_t lanes[VecI::size()];
-  for (int64_t j = 0; j < VecI::size(); ++j) lanes[j] = static_cast<int32_t>(nibble_at(src, j));
-  return VecI::loadu(lanes);
-}
+struct Table4 {
+  alignas(64) float t[16];
 
-inline void store_nibbles(const VecI& codes, uint8_t* dst) {
-  alignas(64) int32_t lanes[VecI::size()];
-  codes.store(lanes);
-  for (int64_t j = 0; j < VecI::size(); j += 2) {
-    dst[j / 2] = static_cast<uint8_t>(lanes[j] | (lanes[j + 1] << 4));
+  template <Code4 kCode>
+  static inline Table4 of(float a) {
+    Table4 out;
+    for (uint32_t code = 0; code < 16; ++code) out.t[code] = code_book4<kCode>()[code] * a;
+    return out;
   }
-}
+  inline VecF decode(const uint8_t* src) const {
+    alignas(64) float out[VecF::size()];
+    for (int64_t j = 0; j < VecF::size(); ++j) out[j] = t[nibble_at(src, j)];
+    return VecF::loadu(out);
+  }
+};
 
 template <Code4 kCode>
-inline VecF decode4_vec(const VecI& code) {
-  alignas(64) int32_t lanes[VecI::size()];
-  alignas(64) float out[VecF::size()];
-  code.store(lanes);
-  for (int64_t j = 0; j < VecI::size(); ++j)
-    out[j] = decode4<kCode>(static_cast<uint32_t>(lanes[j]));
-  return VecF::loadu(out);
-}
-
-template <Code4 kCode>
-inline VecI encode4_vec(const VecF& y) {
+inline void encode4_store(const VecF& y, uint8_t* dst) {
   alignas(64) float in[VecF::size()];
-  alignas(64) int32_t out[VecI::size()];
   y.store(in);
-  for (int64_t j = 0; j < VecF::size(); ++j) out[j] = static_cast<int32_t>(encode4<kCode>(in[j]));
-  return VecI::loadu(out);
+  for (int64_t j = 0; j < VecF::size(); j += 2) {
+    dst[j / 2] = static_cast<uint8_t>(encode4<kCode>(in[j]) | (encode4<kCode>(in[j + 1]) << 4));
+  }
 }
 #endif
 
@@ -154,6 +191,16 @@ inline uint32_t largest_magnitude(const float* x, int64_t n) {
   return out;
 }
 
+// The codes of x[j, n) (j even) coded with `inverse` by scalars: pairs, then the last one.
+template <Code4 kCode>
+inline void encode4_tail(const float* x, float inverse, uint8_t* codes, int64_t j, int64_t n) {
+  for (; j + 1 < n; j += 2) {
+    codes[j >> 1] = static_cast<uint8_t>(quantize4<kCode>(x[j], inverse, false) |
+                                         (quantize4<kCode>(x[j + 1], inverse, false) << 4));
+  }
+  if (j < n) codes[j >> 1] = static_cast<uint8_t>(quantize4<kCode>(x[j], inverse, false));
+}
+
 // encode_block4 of a block's n values x (codes from a byte boundary), the largest of their
 // magnitude_bits being `largest`: a block of finite values by vectors (and its last pair by
 // scalars), one with non-finite values by encode_block4 itself. The same codes and scale.
@@ -168,13 +215,9 @@ inline void code_block4(const float* x, int64_t n, uint32_t largest, uint8_t* co
   const float inverse = block_inverse4<kCode>(s);
   int64_t j = 0;
   for (; j + VecF::size() <= n; j += VecF::size()) {
-    store_nibbles(encode4_vec<kCode>(VecF::loadu(x + j) * VecF(inverse)), codes + j / 2);
+    encode4_store<kCode>(VecF::loadu(x + j) * VecF(inverse), codes + j / 2);
   }
-  for (; j + 1 < n; j += 2) {
-    codes[j >> 1] = static_cast<uint8_t>(quantize4<kCode>(x[j], inverse, false) |
-                                         (quantize4<kCode>(x[j + 1], inverse, false) << 4));
-  }
-  if (j < n) codes[j >> 1] = static_cast<uint8_t>(quantize4<kCode>(x[j], inverse, false));
+  encode4_tail<kCode>(x, inverse, codes, j, n);
 }
 
 // decode_block4 of a block's n codes into out: by vectors where the scale is finite and not
@@ -185,12 +228,11 @@ inline void decode_block4_vec(const uint8_t* codes, float scale, int64_t n, floa
     decode_block4<kCode>(codes, scale, n, out);
     return;
   }
-  const float u = block_unit4<kCode>(scale);
+  const float* book = code_book4<kCode>();
+  const Table4 table = Table4::of<kCode>(scale);
   int64_t j = 0;
-  for (; j + VecF::size() <= n; j += VecF::size()) {
-    (decode4_vec<kCode>(load_nibbles(codes + j / 2)) * VecF(u)).store(out + j);
-  }
-  for (; j < n; ++j) out[j] = decode4<kCode>(nibble_at(codes, j)) * u;
+  for (; j + VecF::size() <= n; j += VecF::size()) table.decode(codes + j / 2).store(out + j);
+  for (; j < n; ++j) out[j] = book[nibble_at(codes, j)] * scale;
 }
 
 }  // namespace cpu

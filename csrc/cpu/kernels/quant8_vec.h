@@ -182,13 +182,12 @@ inline VecF decode8_scaled_vec(const uint8_t* src, float scale) {
   }
 }
 
-// The codes of q (|q| <= 1 + 2^-23, finite) to dst, VecF::size() bytes.
-template <Code8 kCode>
-inline void encode8_store(const VecF& q, uint8_t* dst) {
-  const __m512i bits = _mm512_castps_si512(q);
-  const __m512i abs_bits = _mm512_and_si512(bits, _mm512_set1_epi32(0x7FFFFFFF));
-  __m512 a = _mm512_castsi512_ps(abs_bits);
-  if constexpr (kCode == Code8::kSigned) a = _mm512_mul_ps(a, _mm512_set1_ps(0.00390625f));
+// Magnitudes a (finite, below 2) rounded to nearest even with kDrop of their FP16's
+// bits dropped, 16-bit lanes: FP16 rounded toward zero, its last bit set where that
+// dropped anything (to odd), then rounded on the integer bits (Note [8-bit codes through
+// FP16]; the 4-bit codes too, quant4_vec.h).
+template <int kDrop>
+inline __m256i round_through_fp16(const __m512 a) {
   __m256i h = _mm512_cvtps_ph(a, _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
   const __m256i one = _mm256_set1_epi16(1);
   // Inexact where the conversion back lacks a's bits (an integer comparison, as every
@@ -196,9 +195,20 @@ inline void encode8_store(const VecF& q, uint8_t* dst) {
   const __mmask16 inexact =
       _mm512_cmpneq_epi32_mask(_mm512_castps_si512(_mm512_cvtph_ps(h)), _mm512_castps_si512(a));
   h = _mm256_mask_mov_epi16(h, inexact, _mm256_or_si256(h, one));  // rounded to odd
-  const __m256i r = _mm256_add_epi16(_mm256_add_epi16(h, _mm256_set1_epi16(0x1F)),
-                                     _mm256_and_si256(_mm256_srli_epi16(h, 6), one));
-  __m256i code = _mm256_srli_epi16(r, 6);
+  const __m256i r = _mm256_add_epi16(_mm256_add_epi16(h, _mm256_set1_epi16((1 << (kDrop - 1)) - 1)),
+                                     _mm256_and_si256(_mm256_srli_epi16(h, kDrop), one));
+  return _mm256_srli_epi16(r, kDrop);
+}
+
+// The codes of q (|q| <= 1 + 2^-23, finite) to dst, VecF::size() bytes.
+template <Code8 kCode>
+inline void encode8_store(const VecF& q, uint8_t* dst) {
+  const __m512i bits = _mm512_castps_si512(q);
+  const __m512i abs_bits = _mm512_and_si512(bits, _mm512_set1_epi32(0x7FFFFFFF));
+  __m512 a = _mm512_castsi512_ps(abs_bits);
+  if constexpr (kCode == Code8::kSigned) a = _mm512_mul_ps(a, _mm512_set1_ps(0.00390625f));
+  const __m256i one = _mm256_set1_epi16(1);
+  __m256i code = round_through_fp16<6>(a);
   if constexpr (kCode == Code8::kSigned) {  // the sign where the magnitude is not 0
     const __mmask16 negative = _mm512_movepi32_mask(bits) & _mm256_test_epi16_mask(code, code);
     code = _mm256_mask_add_epi16(code, negative, code, _mm256_set1_epi16(0x80));  // code < 0x80
@@ -226,34 +236,40 @@ inline VecF decode8_scaled_vec(const uint8_t* src, float scale) {
   }
 }
 
+// 32-bit lanes' masks (0 or -1) as 16-bit lanes, in order.
+inline __m128i mask16_of(const __m256i mask) {
+  return _mm_packs_epi32(_mm256_castsi256_si128(mask), _mm256_extracti128_si256(mask, 1));
+}
+
+// round_through_fp16 with 8 lanes (F16C; masks as vectors).
+template <int kDrop>
+inline __m128i round_through_fp16(const __m256 a) {
+  __m128i h = _mm256_cvtps_ph(a, _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
+  const __m128i one = _mm_set1_epi16(1);
+  // Exact where the conversion back has a's bits (an integer comparison, as every MXCSR
+  // setting reads it).
+  const __m128i exact = mask16_of(
+      _mm256_cmpeq_epi32(_mm256_castps_si256(_mm256_cvtph_ps(h)), _mm256_castps_si256(a)));
+  h = _mm_or_si128(h, _mm_andnot_si128(exact, one));  // rounded to odd
+  const __m128i r = _mm_add_epi16(_mm_add_epi16(h, _mm_set1_epi16((1 << (kDrop - 1)) - 1)),
+                                  _mm_and_si128(_mm_srli_epi16(h, kDrop), one));
+  return _mm_srli_epi16(r, kDrop);
+}
+
 template <Code8 kCode>
 inline void encode8_store(const VecF& q, uint8_t* dst) {
   const __m256i bits = _mm256_castps_si256(q);
   const __m256i abs_bits = _mm256_and_si256(bits, _mm256_set1_epi32(0x7FFFFFFF));
   __m256 a = _mm256_castsi256_ps(abs_bits);
   if constexpr (kCode == Code8::kSigned) a = _mm256_mul_ps(a, _mm256_set1_ps(0.00390625f));
-  __m128i h = _mm256_cvtps_ph(a, _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
   const __m128i one = _mm_set1_epi16(1);
-  // Exact where the conversion back has a's bits (an integer comparison, as every MXCSR
-  // setting reads it); the 32-bit lanes' masks packed to 16 (in order: within 128 bits).
-  const __m256i exact =
-      _mm256_cmpeq_epi32(_mm256_castps_si256(_mm256_cvtph_ps(h)), _mm256_castps_si256(a));
-  const __m128i exact16 =
-      _mm_packs_epi32(_mm256_castsi256_si128(exact), _mm256_extracti128_si256(exact, 1));
-  h = _mm_or_si128(h, _mm_andnot_si128(exact16, one));  // rounded to odd
-  const __m128i r = _mm_add_epi16(_mm_add_epi16(h, _mm_set1_epi16(0x1F)),
-                                  _mm_and_si128(_mm_srli_epi16(h, 6), one));
-  __m128i code = _mm_srli_epi16(r, 6);
+  __m128i code = round_through_fp16<6>(a);
   if constexpr (kCode == Code8::kSigned) {  // the sign where the magnitude is not 0
-    const __m256i negative = _mm256_srai_epi32(bits, 31);
-    const __m128i sign = _mm_and_si128(
-        _mm_packs_epi32(_mm256_castsi256_si128(negative), _mm256_extracti128_si256(negative, 1)),
-        _mm_set1_epi16(0x80));
+    const __m128i sign =
+        _mm_and_si128(mask16_of(_mm256_srai_epi32(bits, 31)), _mm_set1_epi16(0x80));
     code = _mm_or_si128(code, _mm_andnot_si128(_mm_cmpeq_epi16(code, _mm_setzero_si128()), sign));
   } else {  // a value that is not zero never has the code 0
-    const __m256i zero = _mm256_cmpeq_epi32(abs_bits, _mm256_setzero_si256());
-    const __m128i zero16 =
-        _mm_packs_epi32(_mm256_castsi256_si128(zero), _mm256_extracti128_si256(zero, 1));
+    const __m128i zero16 = mask16_of(_mm256_cmpeq_epi32(abs_bits, _mm256_setzero_si256()));
     code = _mm_max_epu16(code, _mm_andnot_si128(zero16, one));
   }
   _mm_storel_epi64(reinterpret_cast<__m128i*>(dst), _mm_packus_epi16(code, code));
