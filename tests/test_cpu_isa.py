@@ -209,36 +209,46 @@ def flush_denormal(request):
     torch.set_flush_denormal(False)
 
 
+# Scales of every kind (tiny, huge, zero, the negated scales of blocks with non-finite
+# values, an earlier format's NaN scale of either sign, infinity): the vector decoders take
+# the finite ones only.
+EVERY_SCALE = [1.0, 3.0e38, 1.5e-38, 0.0, 7.25e-3, 2.0**-100, -1.0, -3.0e38, -0.0,
+               float("nan"), -float("nan"), float("inf")]  # fmt: skip
+
+
+def _codec_on_both_builds(isa: str, bits: int, x: torch.Tensor, code: str):
+    """quantize_<bits>bit and dequantize_<bits>bit of x on the default build and on `isa`,
+    and every byte decoded under EVERY_SCALE, compared bit for bit; returns isa's
+    (codes, scales, values). Denormal flushing is off again after (the fixture's state
+    was on while they ran)."""
+    quantize = getattr(ruda_torch.ops, f"quantize_{bits}bit")
+    dequantize = getattr(ruda_torch.ops, f"dequantize_{bits}bit")
+    scales = torch.tensor(EVERY_SCALE)
+    # 256 bytes a scale (8 bits), or 64 (4 bits: 128 codes)
+    every = torch.arange(256, dtype=torch.uint8).repeat(scales.numel() // (1 if bits == 8 else 4))
+    results, decoded = {}, {}
+    for build in dict.fromkeys(["default", isa]):
+        assert _build.use_cpu_isa(build) == build
+        codes, scale = quantize(x, code)
+        results[build] = (codes, scale, dequantize(codes, scale, code))
+        decoded[build] = dequantize(every, scales, code)
+    torch.set_flush_denormal(False)
+    assert torch.equal(results[isa][0], results["default"][0]), f"{isa}: codes differ"
+    for got, want in zip(results[isa][1:], results["default"][1:], strict=True):
+        assert torch.equal(_bits(got), _bits(want))
+    assert torch.equal(_bits(decoded[isa]), _bits(decoded["default"]))
+    return results[isa]
+
+
 @pytest.mark.parametrize("isa", RUNNABLE)
 @pytest.mark.parametrize("code", ["signed", "unsigned"])
 def test_8bit_codec_gives_the_default_bits_on_every_class_of_value(
     isa, code, restore_isa, flush_denormal
 ):
-    x = _codec_inputs(code)
-    results = {}
-    for build in dict.fromkeys(["default", isa]):
-        assert _build.use_cpu_isa(build) == build
-        codes, scales = ruda_torch.ops.quantize_8bit(x, code)
-        results[build] = (codes, scales, ruda_torch.ops.dequantize_8bit(codes, scales, code))
-    torch.set_flush_denormal(False)
-    assert torch.equal(results[isa][0], results["default"][0]), f"{isa}: codes differ"
-    for got, want in zip(results[isa][1:], results["default"][1:], strict=True):
-        assert torch.equal(_bits(got), _bits(want))
-    # Every code under scales of every kind (tiny, huge, zero, the negated scales of blocks
-    # with non-finite values, an earlier format's NaN scale of either sign, infinity):
-    # the vector decoders take the finite ones only.
-    scales = torch.tensor([1.0, 3.0e38, 1.5e-38, 0.0, 7.25e-3, 2.0**-100, -1.0, -3.0e38, -0.0,
-                           float("nan"), -float("nan"), float("inf")])  # fmt: skip
-    every = torch.arange(256, dtype=torch.uint8).repeat(scales.numel())
-    decoded = {}
-    for build in dict.fromkeys(["default", isa]):
-        assert _build.use_cpu_isa(build) == build
-        decoded[build] = ruda_torch.ops.dequantize_8bit(every, scales, code)
-    torch.set_flush_denormal(False)
-    assert torch.equal(_bits(decoded[isa]), _bits(decoded["default"]))
+    codes, _, _ = _codec_on_both_builds(isa, 8, _codec_inputs(code), code)
     # Not a vacuous comparison: every code of a value in [-1, 1] occurs (signed: 113
     # magnitudes 0 .. 0x70, each with both signs but 0; unsigned: 0 .. 0xF0).
-    assert len(torch.unique(results[isa][0])) == (225 if code == "signed" else 241)
+    assert len(torch.unique(codes)) == (225 if code == "signed" else 241)
 
 
 def _codec4_inputs(code: str) -> torch.Tensor:
@@ -277,28 +287,10 @@ def test_4bit_codec_gives_the_default_bits_on_every_class_of_value(
     # Blocks of non-finite values (the special scale) and a short last block among them.
     special = torch.tensor([float("inf"), -float("inf"), float("nan"), 0.5] * 32)
     x = torch.cat([finite, special, finite[:70]])
-    results = {}
-    for build in dict.fromkeys(["default", isa]):
-        assert _build.use_cpu_isa(build) == build
-        codes, scales = ruda_torch.ops.quantize_4bit(x, code)
-        results[build] = (codes, scales, ruda_torch.ops.dequantize_4bit(codes, scales, code))
-    torch.set_flush_denormal(False)
-    assert torch.equal(results[isa][0], results["default"][0]), f"{isa}: codes differ"
-    for got, want in zip(results[isa][1:], results["default"][1:], strict=True):
-        assert torch.equal(_bits(got), _bits(want))
-    # Every code pair under scales of every kind, as for 8 bits.
-    scales = torch.tensor([1.0, 3.0e38, 1.5e-38, 0.0, 7.25e-3, 2.0**-100, -1.0, -3.0e38, -0.0,
-                           float("nan"), -float("nan"), float("inf")])  # fmt: skip
-    every = torch.arange(256, dtype=torch.uint8).repeat(scales.numel() // 4)  # 64 B a block
-    decoded = {}
-    for build in dict.fromkeys(["default", isa]):
-        assert _build.use_cpu_isa(build) == build
-        decoded[build] = ruda_torch.ops.dequantize_4bit(every, scales, code)
-    torch.set_flush_denormal(False)
-    assert torch.equal(_bits(decoded[isa]), _bits(decoded["default"]))
+    codes, scales, values = _codec_on_both_builds(isa, 4, x, code)
     # Not vacuous: every code of a finite block occurs (signed: all but -0, code 8; unsigned:
     # all 16), and the special block's infinities and NaN.
-    coded = results[isa][0][: finite.numel() // 2]
+    coded = codes[: finite.numel() // 2]
     nibbles = torch.cat([coded & 15, coded >> 4])
     assert len(torch.unique(nibbles)) == (15 if code == "signed" else 16)
-    assert torch.isnan(results[isa][2][finite.numel() + 2]) and results[isa][1][-2] < 0
+    assert torch.isnan(values[finite.numel() + 2]) and scales[-2] < 0

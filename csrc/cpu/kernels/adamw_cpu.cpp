@@ -446,36 +446,13 @@ void update_span(const AdamWLaunch& L, const TensorEntry& e, const StepCoefs<Mat
 // slower with it). The codec itself converts through FP16 where the ISA has it (Note
 // [8-bit codes through FP16] in quant8_vec.h).
 // Every value is the one the per-pass code computes (the same scalar operations, lane by
-// lane), so codes and scales are bit for bit update_block8's and the CUDA kernel's. A block
+// lane), so codes and scales are bit for bit update_block_per_pass's and the CUDA kernel's. A block
 // with non-finite moments (a negative scale before the step, or an infinity or NaN after
 // it) is coded by encode_block. A row's last block, shorter than kBlock8 (Note [8-bit row
 // blocks] in csrc/quant8.h), goes the same way, its elements after the last whole vector
 // stepped and coded by scalars: rows of 128 or 1000 elements are not left to the per-pass
 // way (measured at 0.63x and 0.88x torch's fused FP32 step on an AVX-512 Xeon, against
 // 1.08x for rows of whole blocks).
-
-// One block the per-pass way: the block at index kc of the tensor's walk, its elements
-// [k0, k0 + n) (n <= kBlock8; Note [8-bit row blocks] in csrc/quant8.h).
-template <typename P, typename G, bool AMSGRAD>
-void update_block8(const AdamWLaunch& L, const TensorEntry& e, const StepCoefs<float>& c, int64_t t,
-                   int64_t kc, int64_t k0, int64_t n) {
-  const int64_t off = e.state_offset;
-  uint8_t* mc = static_cast<uint8_t*>(L.exp_avg) + off + k0;
-  uint8_t* vc = static_cast<uint8_t*>(L.exp_avg_sq) + off + k0;
-  uint8_t* vmc = AMSGRAD ? static_cast<uint8_t*>(L.max_exp_avg_sq) + off + k0 : nullptr;
-  alignas(64) float mf[kBlock8], vf[kBlock8], vmf[kBlock8];
-  const int64_t b = scale_index8(e, kc);
-  decode_block_cpu<Code8::kSigned>(mc, L.exp_avg_scales[b], n, mf);
-  decode_block_cpu<Code8::kUnsigned>(vc, L.exp_avg_sq_scales[b], n, vf);
-  if (AMSGRAD) decode_block_cpu<Code8::kUnsigned>(vmc, L.max_exp_avg_sq_scales[b], n, vmf);
-  const MomentStore<float, float> m{mf, Rounding::kNearestEven, k0};
-  const MomentStore<float, float> v{vf, Rounding::kNearestEven, k0};
-  const MomentStore<float, float> vm{AMSGRAD ? vmf : nullptr, Rounding::kNearestEven, k0};
-  update_span<P, G, AMSGRAD>(L, e, c, t, k0, k0 + n, m, v, vm);
-  encode_block<Code8::kSigned>(mf, n, mc, L.exp_avg_scales + b);
-  encode_block<Code8::kUnsigned>(vf, n, vc, L.exp_avg_sq_scales + b);
-  if (AMSGRAD) encode_block<Code8::kUnsigned>(vmf, n, vmc, L.max_exp_avg_sq_scales + b);
-}
 
 // One moment of one block as update_span sees it (Note [One pass per 8-bit block]): loads
 // decode the block's codes, stores write FP32 to `buf` and keep the largest magnitude
@@ -534,8 +511,13 @@ constexpr bool kPipelineCodes = false;
 // (kSigned: exp_avg's) of a whole vector from element j, of the elements from j to n by
 // scalars, of a block with non-finite values, and a block's inverse scale.
 struct Codes8 {
+  static constexpr int64_t kBlock = kBlock8;
   template <bool kSigned>
   static constexpr Code8 kCode = kSigned ? Code8::kSigned : Code8::kUnsigned;
+  template <bool kSigned>
+  static inline void decode(const uint8_t* codes, float scale, int64_t n, float* out) {
+    decode_block_cpu<kCode<kSigned>>(codes, scale, n, out);
+  }
   template <bool kSigned>
   static inline void vector(const Vec& q, uint8_t* codes, int64_t j) {
     cpu::encode8_store<kCode<kSigned>>(q, codes + j);
@@ -544,6 +526,7 @@ struct Codes8 {
   static inline void tail(const float* x, float inverse, uint8_t* codes, int64_t j, int64_t n) {
     for (; j < n; ++j) codes[j] = encode8<kCode<kSigned>>(x[j] * inverse);
   }
+  // Codes and scale of a block (encode_block's own path: non-finite values too).
   template <bool kSigned>
   static inline void block(const float* x, int64_t n, uint8_t* codes, float* scale) {
     encode_block<kCode<kSigned>>(x, n, codes, scale);
@@ -555,8 +538,13 @@ struct Codes8 {
 };
 
 struct Codes4 {  // two codes a byte: element j's at nibble j (j even at a byte boundary)
+  static constexpr int64_t kBlock = kBlock4;
   template <bool kSigned>
   static constexpr Code4 kCode = kSigned ? Code4::kSigned : Code4::kUnsigned;
+  template <bool kSigned>
+  static inline void decode(const uint8_t* codes, float scale, int64_t n, float* out) {
+    decode_block4<kCode<kSigned>>(codes, scale, n, out);
+  }
   template <bool kSigned>
   static inline void vector(const Vec& y, uint8_t* codes, int64_t j) {
     cpu::encode4_store<kCode<kSigned>>(y, codes + j / 2);
@@ -574,6 +562,29 @@ struct Codes4 {  // two codes a byte: element j's at nibble j (j even at a byte 
     return block_inverse4<kCode<kSigned>>(scale);
   }
 };
+
+// One block the per-pass way (decode each moment, update, encode each): its elements
+// [k0, k0 + n) (n <= Codes::kBlock; Note [8-bit row blocks] in csrc/quant8.h, Note [4-bit
+// row blocks] in csrc/quant4.h), its codes from byte `byte` of each moment's buffer, its
+// scales at index b of each moment's run.
+template <typename Codes, typename P, typename G, bool AMSGRAD>
+void update_block_per_pass(const AdamWLaunch& L, const TensorEntry& e, const StepCoefs<float>& c,
+                           int64_t t, int64_t k0, int64_t n, int64_t byte, int64_t b) {
+  uint8_t* const mc = static_cast<uint8_t*>(L.exp_avg) + byte;
+  uint8_t* const vc = static_cast<uint8_t*>(L.exp_avg_sq) + byte;
+  uint8_t* const vmc = AMSGRAD ? static_cast<uint8_t*>(L.max_exp_avg_sq) + byte : nullptr;
+  alignas(64) float mf[Codes::kBlock], vf[Codes::kBlock], vmf[Codes::kBlock];
+  Codes::template decode<true>(mc, L.exp_avg_scales[b], n, mf);
+  Codes::template decode<false>(vc, L.exp_avg_sq_scales[b], n, vf);
+  if (AMSGRAD) Codes::template decode<false>(vmc, L.max_exp_avg_sq_scales[b], n, vmf);
+  const MomentStore<float, float> m{mf, Rounding::kNearestEven, k0};
+  const MomentStore<float, float> v{vf, Rounding::kNearestEven, k0};
+  const MomentStore<float, float> vm{AMSGRAD ? vmf : nullptr, Rounding::kNearestEven, k0};
+  update_span<P, G, AMSGRAD>(L, e, c, t, k0, k0 + n, m, v, vm);
+  Codes::template block<true>(mf, n, mc, L.exp_avg_scales + b);
+  Codes::template block<false>(vf, n, vc, L.exp_avg_sq_scales + b);
+  if (AMSGRAD) Codes::template block<false>(vmf, n, vmc, L.max_exp_avg_sq_scales + b);
+}
 
 // A block's moments waiting for their codes (Note [One pass per 8-bit block]): up to three
 // moments' FP32 values, each with its block's inverse scale and where its codes go, and the
@@ -666,7 +677,7 @@ void update_range8(const AdamWLaunch& L, const TensorEntry& e, const StepCoefs<f
         !cpu::vector_block(L.exp_avg_sq_scales[b]) ||
         (AMSGRAD && !cpu::vector_block(L.max_exp_avg_sq_scales[b]))) {
       pending.code_all();
-      update_block8<P, G, AMSGRAD>(L, e, c, t, kc, kb, n);
+      update_block_per_pass<Codes8, P, G, AMSGRAD>(L, e, c, t, kb, n, off + kb, b);
       continue;
     }
     cur ^= 1;
@@ -710,7 +721,7 @@ void update_range8(const AdamWLaunch& L, const TensorEntry& e, const StepCoefs<f
 // magnitude in a register, and the block is coded a vector at a time inside the next
 // block's update loop with AVX-512 (kPipelineCodes), after its own with AVX2; a block with
 // non-finite moments (a negative scale, or an infinity or NaN after the step) goes the
-// per-pass way (update_block4), as does every block of the portable build. The same
+// per-pass way (update_block_per_pass), as does every block of the portable build. The same
 // operations lane by lane as the scalar codec: the same codes and scales.
 template <Code4 kCode>
 struct Code4Moment {
@@ -744,27 +755,6 @@ inline Code4Moment<kCode> code4_moment(const uint8_t* base, float scale, float* 
           largest};
 }
 
-// One block the per-pass way: its elements [k0, k0 + n), codes from `byte` of each moment's
-// buffer, scales at index b.
-template <typename P, typename G, bool AMSGRAD>
-void update_block4(const AdamWLaunch& L, const TensorEntry& e, const StepCoefs<float>& c, int64_t t,
-                   int64_t k0, int64_t n, int64_t byte, int64_t b) {
-  uint8_t* const mc = static_cast<uint8_t*>(L.exp_avg) + byte;
-  uint8_t* const vc = static_cast<uint8_t*>(L.exp_avg_sq) + byte;
-  uint8_t* const vmc = AMSGRAD ? static_cast<uint8_t*>(L.max_exp_avg_sq) + byte : nullptr;
-  alignas(64) float mf[kBlock4], vf[kBlock4], vmf[kBlock4];
-  decode_block4<Code4::kSigned>(mc, L.exp_avg_scales[b], n, mf);
-  decode_block4<Code4::kUnsigned>(vc, L.exp_avg_sq_scales[b], n, vf);
-  if (AMSGRAD) decode_block4<Code4::kUnsigned>(vmc, L.max_exp_avg_sq_scales[b], n, vmf);
-  const MomentStore<float, float> m{mf, Rounding::kNearestEven, k0};
-  const MomentStore<float, float> v{vf, Rounding::kNearestEven, k0};
-  const MomentStore<float, float> vm{AMSGRAD ? vmf : nullptr, Rounding::kNearestEven, k0};
-  update_span<P, G, AMSGRAD>(L, e, c, t, k0, k0 + n, m, v, vm);
-  encode_block4<Code4::kSigned>(mf, n, mc, L.exp_avg_scales + b);
-  encode_block4<Code4::kUnsigned>(vf, n, vc, L.exp_avg_sq_scales + b);
-  if (AMSGRAD) encode_block4<Code4::kUnsigned>(vmf, n, vmc, L.max_exp_avg_sq_scales + b);
-}
-
 template <typename P, typename G, bool AMSGRAD>
 void update_range4(const AdamWLaunch& L, const TensorEntry& e, const StepCoefs<float>& c, int64_t t,
                    int64_t begin, int64_t end) {
@@ -784,7 +774,7 @@ void update_range4(const AdamWLaunch& L, const TensorEntry& e, const StepCoefs<f
         !cpu::vector_block(L.exp_avg_sq_scales[b]) ||
         (AMSGRAD && !cpu::vector_block(L.max_exp_avg_sq_scales[b]))) {
       pending.code_all();
-      update_block4<P, G, AMSGRAD>(L, e, c, t, k0, n, byte, b);
+      update_block_per_pass<Codes4, P, G, AMSGRAD>(L, e, c, t, k0, n, byte, b);
       continue;
     }
     cur ^= 1;
