@@ -113,6 +113,12 @@ int64_t state_capacity(const at::Tensor& moments, const std::optional<at::Tensor
   return moments.numel() / kPacked8 * kBlock8;
 }
 
+// The indices of a tensor's walk (its elements, or its rows laid out on whole blocks of the
+// moments' format: Note [8-bit row blocks], Note [4-bit row blocks]), which its units cover.
+int64_t walk_extent(const TensorEntry& e, const at::Tensor& moments) {
+  return moments.scalar_type() == at::kChar ? state_extent4(e) : state_extent(e);
+}
+
 // The length of each moment's run of scales: the scales' share of each moment (separate
 // scales, whose runs may hold more than one per block of the state: Note [8-bit row
 // blocks] in csrc/quant8.h), or the blocks of the state (packed).
@@ -254,11 +260,6 @@ AdamWLaunch prepare_launch(const char* op, size_t n, const at::Device& device,
   const int64_t capacity = state_capacity(exp_avg, scales);
   const int64_t n_moments = max_exp_avg_sq.has_value() ? 3 : 2;
   if (sdtype == at::kChar) {
-    // Note [4-bit moments] in csrc/quant4.h: CPU kernels only in this release.
-    TORCH_CHECK(device.is_cpu(), "ruda_torch.", op,
-                ": 4-bit moments (int8 buffers of two codes per byte, state_precision='4bit') "
-                "have CPU kernels only in this release; on ",
-                device, " use state_precision='8bit' (1 byte per element per moment) or 'bf16'");
     TORCH_CHECK(scales.has_value() && exp_avg.numel() % (kBlock4 / 2) == 0, "ruda_torch.", op,
                 ": 4-bit moment buffers (int8) hold the codes of whole blocks of ", kBlock4,
                 " elements, two per byte (", kBlock4 / 2,
@@ -374,7 +375,7 @@ AdamWLaunch prepare_launch(const char* op, size_t n, const at::Device& device,
 
   AdamWLaunch L;
   L.table = nullptr;  // placed by the backend
-  L.edges8 = false;   // set with the table (edges8_of)
+  L.edges = false;    // set with the table (edges_of)
   L.n_tensors = static_cast<int64_t>(n);
   L.n_units = 0;  // set with the table
   L.param_dtype = dtype_of(pdtype);
@@ -417,26 +418,36 @@ AdamWLaunch prepare_launch(const char* op, size_t n, const at::Device& device,
   return L;
 }
 
-// With 8-bit moments: whether a tensor of `entries` has a block the CUDA kernels do not
-// access directly (Note [8-bit CUDA registers] in csrc/cuda/adamw_cuda.cu): a last block
-// shorter than kBlock8, a tensor whose rows are not whole blocks (Note [8-bit row blocks]), or
-// parameters, gradients, masters or codes not aligned for their wide accesses (16 bytes for
-// elements, 8 for codes).
-bool edges8_of(const AdamWLaunch& L, const std::vector<TensorEntry>& entries) {
-  if (L.state_dtype != DType::kUInt8) return false;
+// With 8-bit or 4-bit moments: whether a tensor of `entries` has a block the CUDA kernels do
+// not access directly (Note [8-bit CUDA registers] and Note [4-bit CUDA step] in
+// csrc/cuda/adamw_cuda.cu): a last block shorter than the block, a tensor whose rows are not
+// whole blocks (Note [8-bit row blocks], Note [4-bit row blocks]), or parameters, gradients,
+// masters or codes not aligned for their wide accesses (8-bit: 16 bytes for elements, 8 for
+// codes; 4-bit: 4 elements, 2 bytes for codes).
+uintptr_t element_bytes(DType t) {
+  return t == DType::kHalf || t == DType::kBFloat16 ? 2 : t == DType::kDouble ? 8 : 4;
+}
+
+bool edges_of(const AdamWLaunch& L, const std::vector<TensorEntry>& entries) {
+  const bool four = L.state_dtype == DType::kNibble;
+  if (L.state_dtype != DType::kUInt8 && !four) return false;
   const auto misaligned = [](const void* p, uintptr_t bytes) {
     return reinterpret_cast<uintptr_t>(p) % bytes != 0;
   };
+  const int64_t block = four ? kBlock4 : kBlock8;
+  const uintptr_t param_bytes = four ? 4 * element_bytes(L.param_dtype) : 16;
+  const uintptr_t grad_bytes = four ? 4 * element_bytes(L.grad_dtype) : 16;
+  const uintptr_t code_bytes = four ? 2 : 8;
   for (const TensorEntry& e : entries) {
     if (e.numel == 0) continue;
-    const int64_t off = e.state_offset;
-    if (e.row != 0 || e.numel % kBlock8 != 0 || misaligned(e.param, 16) || misaligned(e.grad, 16) ||
-        (L.master != nullptr && misaligned(L.master + off, 16)) ||
-        (L.remainder != nullptr && misaligned(L.remainder + off, 16)) ||
-        misaligned(static_cast<uint8_t*>(L.exp_avg) + off, 8) ||
-        misaligned(static_cast<uint8_t*>(L.exp_avg_sq) + off, 8) ||
+    const int64_t off = e.state_offset, code = four ? off / 2 : off;
+    if (e.row != 0 || e.numel % block != 0 || misaligned(e.param, param_bytes) ||
+        misaligned(e.grad, grad_bytes) || (L.master != nullptr && misaligned(L.master + off, 16)) ||
+        (L.remainder != nullptr && misaligned(L.remainder + off, four ? 8 : 16)) ||
+        misaligned(static_cast<uint8_t*>(L.exp_avg) + code, code_bytes) ||
+        misaligned(static_cast<uint8_t*>(L.exp_avg_sq) + code, code_bytes) ||
         (L.max_exp_avg_sq != nullptr &&
-         misaligned(static_cast<uint8_t*>(L.max_exp_avg_sq) + off, 8))) {
+         misaligned(static_cast<uint8_t*>(L.max_exp_avg_sq) + code, code_bytes))) {
       return true;
     }
   }
@@ -574,7 +585,7 @@ void flat_bucket_select(FlatBucket& fb, const std::vector<int64_t>* active) {
     last = i;
     TensorEntry e = fb.table[i];
     e.unit_start = units;
-    units += (state_extent(e) + fb.unit - 1) / fb.unit;
+    units += (walk_extent(e, fb.exp_avg) + fb.unit - 1) / fb.unit;
     fb.active.push_back(e);
   }
   fb.active_ids = *active;
@@ -604,11 +615,11 @@ AdamWLaunch prepare_flat_step(const FlatBucket& fb, bool amsgrad,
   int64_t units = 0;
   if (!fb.active.empty()) {
     const TensorEntry& e = fb.active.back();
-    units = e.unit_start + (state_extent(e) + fb.unit - 1) / fb.unit;
+    units = e.unit_start + (walk_extent(e, fb.exp_avg) + fb.unit - 1) / fb.unit;
   }
   check_units("adamw_scaled_", units, fb.active.size());
   L.n_units = units;
-  L.edges8 = edges8_of(L, fb.active);
+  L.edges = edges_of(L, fb.active);
   return L;
 }
 
@@ -728,7 +739,7 @@ PreparedAdamW prepare_adamw(
     e.unit_start = units;
     e.row = row;
     e.scale_offset = scale_off;
-    units += ((blocks4 ? state_extent4(e) : state_extent(e)) + unit - 1) / unit;
+    units += (walk_extent(e, exp_avg) + unit - 1) / unit;
   }
   std::sort(scale_spans.begin(), scale_spans.end());
   for (size_t i = 1; i < scale_spans.size(); ++i) {
@@ -754,7 +765,7 @@ PreparedAdamW prepare_adamw(
   check_no_aliasing(op, std::move(written), read_only);
   check_units(op, units, n);
   prep.launch.n_units = units;
-  prep.launch.edges8 = edges8_of(prep.launch, prep.table);
+  prep.launch.edges = edges_of(prep.launch, prep.table);
   return prep;
 }
 

@@ -52,6 +52,8 @@ void merge_gradient_stats_chunks_cuda(const float* reports, int64_t n_reports, f
                                       void* stream);
 void quantize_8bit_cuda(const Quant8Launch& launch, void* stream);
 void dequantize_8bit_cuda(const Quant8Launch& launch, void* stream);
+void quantize_4bit_cuda(const Quant8Launch& launch, void* stream);
+void dequantize_4bit_cuda(const Quant8Launch& launch, void* stream);
 #endif
 
 }  // namespace ruda

@@ -20,7 +20,7 @@ TORCH_LIBRARY(ruda_torch, m) {
   // 8-bit (uint8) moments: packed, each buffer its codes then its scales, or with
   // `scales` the codes alone and the scales of all moments in `scales`, one run each
   // (Note [8-bit moments] in csrc/quant8.h). 4-bit moments: int8 buffers of two codes per
-  // byte, with `scales` (Note [4-bit moments] in csrc/quant4.h; CPU only).
+  // byte, with `scales` (Note [4-bit moments] in csrc/quant4.h).
   m.def(
       "adamw_scaled_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!) exp_avg, "
       "Tensor(c!) exp_avg_sq, Tensor(d!)? max_exp_avg_sq, Tensor(e!) steps, Tensor slots, "

@@ -110,11 +110,12 @@ struct AdamWLaunch {
   // [Remainder master] in csrc/adamw_math.h), int16 like exp_avg's layout, or null; never
   // set with `master`.
   uint16_t* remainder;
-  // 8-bit moments: whether some block of the launch is not a whole block of 16-byte aligned
-  // elements (the last block of a tensor whose size is no multiple of kBlock8, a view not
-  // 16-byte aligned), which the CUDA kernels step in a launch of their own (Note [8-bit
-  // CUDA registers] in csrc/cuda/adamw_cuda.cu); set by the binding with the table.
-  bool edges8;
+  // 8-bit or 4-bit moments: whether some block of the launch is not a whole block of aligned
+  // elements (the last block of a tensor whose size is no multiple of the block, rows that are
+  // not whole blocks, a view not aligned for wide accesses), which the CUDA kernels step in a
+  // launch of their own (Note [8-bit CUDA registers], Note [4-bit CUDA step] in
+  // csrc/cuda/adamw_cuda.cu); set by the binding with the table.
+  bool edges;
   float* steps;
   Rounding rounding;        // 16-bit parameters without master weights
   Rounding state_rounding;  // BF16 moments

@@ -150,13 +150,6 @@ def split_group(opt, gi: int, group: dict, needs_global: bool) -> list:
         precision = bucket_precision(p, group)
         if precision in ("8bit", "4bit"):
             check_mesh_8bit(p, f"param group {gi} parameter {j}", int(precision[0]))
-        if precision == "4bit" and local(p).device.type != "cpu":
-            raise ValueError(
-                f"param group {gi} parameter {j} is on {local(p).device}: "
-                "state_precision='4bit' has CPU kernels only in this release "
-                "(Note [4-bit moments] in csrc/quant4.h); use state_precision='8bit' (or "
-                "'bf16') for parameters on an accelerator"
-            )
         key = (local(p).device, p.dtype, scope, precision)
         by_key.setdefault(key, (scope, precision, [], []))
         by_key[key][2].append(p)

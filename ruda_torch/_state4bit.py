@@ -22,8 +22,7 @@ from ._common import codes4_key, found, local, scales4_key
 # pairs of elements to share a byte in its rows: it keeps 8-bit moments, in an 8-bit bucket
 # of the same group (the same rule on every mesh: the global shape decides). A 1-D DTensor
 # parameter keeps FP32 moments and smaller parameters FP32 moments (Note [8-bit buckets]).
-# 4-bit states have CPU kernels only in this release: a CUDA parameter is refused with the
-# alternatives named.
+# The CPU and CUDA kernels step them (Note [4-bit CUDA step] in csrc/cuda/adamw_cuda.cu).
 
 
 def takes_4bit(p: torch.Tensor) -> bool:

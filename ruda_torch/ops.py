@@ -459,8 +459,7 @@ def quantize_4bit(x: torch.Tensor, code: str) -> tuple[torch.Tensor, torch.Tenso
     FP32 of ``scales_shape_4bit(x.shape)``: the largest magnitude of each block of up to
     ``BLOCK_4BIT`` consecutive elements of one row (rows along the first dimension).
     ``code``: ``"signed"`` (a first moment) or ``"unsigned"`` (a second moment). The format
-    of ``state_precision="4bit"``'s state entries; CPU tensors (4-bit states have CPU
-    kernels only in this release)."""
+    of ``state_precision="4bit"``'s state entries; CPU or CUDA tensors, the same bits."""
     c = _code4("quantize_4bit", code)
     if not isinstance(x, torch.Tensor) or x.dtype != torch.float32:
         raise TypeError(

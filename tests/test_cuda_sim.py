@@ -6,7 +6,8 @@ FP16, BF16 with their gradient dtypes, AMSGrad, master weights, stochastic round
 Adam's L2 decay, skipped steps, the wide-access and the scalar (unaligned) paths, sizes
 0, 1, 3, 97, 1025, a tile boundary, 65537 in one bucket with empty tensors between, a slice
 past 2^31 elements (a fake base, nothing that large allocated), statistics of every
-gradient dtype with non-finite values, merges past one chunk, a flat-gradient bucket's
+gradient dtype with non-finite values, merges past one chunk, 8-bit and 4-bit moments
+(direct and edge kernels, rows that are not whole blocks, the codecs), a flat-gradient bucket's
 device tables through changing subsets; each under both serial
 schedules (threads and blocks first to last, and last to first) and the concurrent one.
 Built by tests/cuda_sim/build.py, run by `make test-cuda-sim` (also under
@@ -15,6 +16,7 @@ AddressSanitizer); needs neither a GPU nor a CUDA toolkit.
 
 from __future__ import annotations
 
+import math
 import re
 from pathlib import Path
 
@@ -37,6 +39,10 @@ COVERED = {
     "adamw8_edge_kernel": "test_update_8bit_matches_cpu",
     "quantize8_kernel": "test_quantize_8bit_matches_cpu",
     "dequantize8_kernel": "test_quantize_8bit_matches_cpu",
+    "adamw4_kernel": "test_update_4bit_matches_cpu",
+    "adamw4_edge_kernel": "test_update_4bit_matches_cpu",
+    "quantize4_kernel": "test_quantize_4bit_matches_cpu",
+    "dequantize4_kernel": "test_quantize_4bit_matches_cpu",
 }
 
 
@@ -60,7 +66,8 @@ def schedule(request, sim):
 def _bits(t: torch.Tensor) -> torch.Tensor:
     view = {torch.float32: torch.int32, torch.float64: torch.int64,
             torch.float16: torch.int16, torch.bfloat16: torch.int16,
-            torch.int16: torch.int16, torch.uint8: torch.uint8}  # fmt: skip
+            torch.int16: torch.int16, torch.uint8: torch.uint8,
+            torch.int8: torch.int8}  # fmt: skip
     return t.contiguous().view(view[t.dtype])
 
 
@@ -121,7 +128,7 @@ def _clone(state: dict) -> dict:
             out[k] = v
     for i, p in enumerate(state["params"]):  # keep the odd offsets of unaligned views
         if p.storage_offset() % 2:
-            q = torch.empty(p.numel() + 1, dtype=p.dtype)[1:]
+            q = torch.empty(p.numel() + 1, dtype=p.dtype)[1:].view(p.shape)
             out["params"][i] = q.copy_(p)
     return out
 
@@ -279,8 +286,10 @@ def _with_remainders(state: dict) -> dict:
     from ruda_torch._remainder import remainder_of_master
 
     rem = torch.zeros(state["master"].numel(), dtype=torch.int16)
-    for p, (off, _) in zip(state["params"], state["slots"].tolist(), strict=True):
-        rem[off : off + p.numel()] = remainder_of_master(p, state["master"][off : off + p.numel()])
+    for p, (off, *_rest) in zip(state["params"], state["slots"].tolist(), strict=True):
+        rem[off : off + p.numel()] = remainder_of_master(
+            p.reshape(-1), state["master"][off : off + p.numel()]
+        )
     return dict(state, master=rem)
 
 
@@ -354,6 +363,100 @@ def test_update_8bit_overflow_matches_cpu(sim, schedule, pdtype, amsgrad, master
     _compare(cpu, emu, f"8-bit overflow {pdtype}")
     for key, code in (("exp_avg", "signed"), ("exp_avg_sq", "unsigned")):  # special blocks
         assert torch.isinf(ops.unpack_8bit(cpu[key], code)).any(), key
+
+
+# Flat tensors (sizes) and tensors of rows (shapes) for the 4-bit kernels: whole blocks, a
+# tensor's shorter last block (odd too), a tile edge (4096), rows of whole blocks (flat),
+# rows that are not whole blocks whose whole blocks are aligned in every row (500), in every
+# other row (130, 1030: the direct kernel's and the edge kernel's blocks in one tensor), in
+# no row (98, 198), rows of odd length (97: a pad nibble a row) and rows past a tile.
+SIZES_4BIT = [97, 0, 1025, 128, 4097, 8192, 1]
+ROWS_4BIT = [(3, 98), (5, 130), (4, 256), (70, 130), (9, 500), (2, 3, 66), (7, 1030), (3, 97)]
+
+
+def _bucket_4bit(amsgrad, pdtype, seed, master=False, specials=False):
+    """Parameters, gradients and a 4-bit state (Note [4-bit row blocks] in csrc/quant4.h)
+    laid out as the optimizer does: slots from multiples of 128 nibbles, the flat tensors'
+    scales at their offset / 128, the rows' scales after them (slots' columns 2 and 3); the
+    codes random bytes (every code of both kinds; the pad nibbles of odd sizes and odd rows
+    too, which no kernel may read, and which the step writes 0), the scales random
+    over many binades with a block of zeros, and with ``specials`` negated scales (blocks
+    with non-finite moments: their special codes decode to infinities and NaN)."""
+    gen = torch.Generator().manual_seed(seed)
+    shapes = [(n,) for n in SIZES_4BIT] + ROWS_4BIT
+    slots, offset, flat_blocks, rows_scales = [], 0, 0, []
+    for i, shape in enumerate(shapes):
+        numel = math.prod(shape)
+        rows, row = (1, numel) if len(shape) == 1 else (shape[0], numel // shape[0])
+        ragged = len(shape) > 1 and row % 128 != 0
+        nibbles = rows * (row + row % 2) if ragged else numel
+        slots.append([offset, i, row if ragged else 0, 0])
+        if ragged:
+            rows_scales.append((i, rows * -(-row // 128)))
+        offset += -(-nibbles // 128) * 128
+    flat_blocks = offset // 128
+    run = flat_blocks
+    for i, count in rows_scales:
+        slots[i][3] = run
+        run += count
+    params = [torch.randn(shape, generator=gen).to(pdtype) for shape in shapes]
+    grads = [(torch.randn(shape, generator=gen) * 3).to(pdtype) for shape in shapes]
+    codes = [torch.randint(0, 256, (offset // 2,), generator=gen, dtype=torch.uint8)
+             for _ in range(3 if amsgrad else 2)]  # fmt: skip
+    scales = torch.exp(torch.randn(len(codes) * run, generator=gen) * 4) * 1e-3
+    scales[5] = 0.0
+    if specials:
+        scales[torch.randperm(scales.numel(), generator=gen)[: scales.numel() // 10]] *= -1
+    master_buf = None
+    if master:
+        master_buf = torch.randn(offset, generator=gen)
+        for p, (off, *_rest) in zip(params, slots, strict=True):
+            master_buf[off : off + p.numel()] = p.float().flatten()
+            master_buf[off : off + p.numel() : 3] += 1e-3
+    state = dict(exp_avg=codes[0].view(torch.int8), exp_avg_sq=codes[1].view(torch.int8),
+                 max_exp_avg_sq=codes[2].view(torch.int8) if amsgrad else None,
+                 steps=torch.arange(len(shapes), dtype=torch.float32) * 2, master=master_buf,
+                 slots=torch.tensor(slots, dtype=torch.int64), scales=scales)  # fmt: skip
+    return dict(state, params=params, grads=grads)
+
+
+@pytest.mark.parametrize("views", ["aligned", "unaligned"])
+@pytest.mark.parametrize(
+    "pdtype,amsgrad,master,rounding,specials",
+    [(torch.float32, False, False, 0, False), (torch.float32, True, False, 0, True),
+     (torch.bfloat16, True, False, 1, False), (torch.float16, False, True, 0, True),
+     (torch.bfloat16, False, True, 0, False), (torch.bfloat16, True, "remainder", 0, True)],
+    ids=["fp32", "fp32-amsgrad-specials", "bf16-amsgrad-stochastic", "fp16-master-specials",
+         "bf16-master", "bf16-remainder-amsgrad-specials"],
+)  # fmt: skip
+def test_update_4bit_matches_cpu(sim, schedule, pdtype, amsgrad, master, rounding, specials,
+                                 views):  # fmt: skip
+    """4-bit moments (Note [4-bit CUDA step] in csrc/cuda/adamw_cuda.cu): the emulated direct
+    kernel (a warp per block of 128, lane l its elements 4 l .. 4 l + 3, whole aligned blocks,
+    those inside rows that are not whole blocks too) and edge kernel (shorter blocks, odd ones,
+    unaligned views, pad nibbles) write the CPU kernel's parameters, masters or remainders,
+    codes, scales and counters, bit for bit; with blocks of non-finite moments (negated
+    scales) and gradients that overflow."""
+    state = _bucket_4bit(amsgrad, pdtype, seed=23, master=bool(master), specials=specials)
+    if master == "remainder":
+        state = _with_remainders(state)
+    if specials and pdtype != torch.float16:  # FP16 holds no overflowing gradient
+        from test_quant8 import _extreme_grads
+
+        state["grads"] = [g.view(-1) for g in _extreme_grads([g.flatten() for g in
+                          state["grads"]], 1, pdtype)]  # fmt: skip
+        state["grads"] = [g.view(p.shape) for g, p in zip(state["grads"], state["params"],
+                                                           strict=True)]  # fmt: skip
+    if views == "unaligned":  # odd element offsets: not aligned for the lanes' accesses
+        state["params"] = [
+            torch.empty(p.numel() + 1, dtype=p.dtype)[1:].view(p.shape).copy_(p) if i % 2 else p
+            for i, p in enumerate(state["params"])
+        ]
+    cpu, emu = _run_both(sim, state, rounding=rounding, seed=29, grad_scale=torch.tensor([2.0]),
+                         clip_coef=torch.tensor([0.75]), maximize=amsgrad)  # fmt: skip
+    _compare(cpu, emu, f"4-bit {pdtype}")
+    assert not torch.equal(cpu["exp_avg"], state["exp_avg"])  # the step wrote codes
+    assert not torch.equal(cpu["scales"], state["scales"])
 
 
 @pytest.mark.parametrize("control", ["found_inf", "stats-skip", "stats-clip", "lr-tensor",
@@ -498,6 +601,79 @@ def test_quantize_8bit_every_class_of_value_matches_cpu(sim, code):
 
     x = _codec_inputs(code)
     _quantize_matches_cpu(sim, x, code)
+
+
+def _quantize4_matches_cpu(sim, x: torch.Tensor, code: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """x's 4-bit codes and scales (flat blocks) by the emulated kernel, asserted equal to the
+    CPU's (returned)."""
+    c = ops.CODES_4BIT.index(code)
+    codes = torch.empty((x.numel() + 1) // 2, dtype=torch.uint8)
+    scales = torch.empty(-(-x.numel() // ops.BLOCK_4BIT))
+    torch.ops.ruda_torch.quantize_4bit(x, codes, scales, c)
+    emu_codes = torch.full_like(codes, 0xAA)
+    emu_scales = torch.full_like(scales, -1.0)
+    sim.quantize_4bit(x, emu_codes, emu_scales, c)
+    assert torch.equal(emu_codes, codes)
+    _same(emu_scales, scales, "scales")
+    return codes, scales
+
+
+@pytest.mark.parametrize("code", ops.CODES_4BIT)
+@pytest.mark.parametrize("n", [0, 1, 97, 128, 1025, 4097])  # 4097: blocks loop (4 resident)
+def test_quantize_4bit_matches_cpu(sim, schedule, code, n):
+    """Blockwise 4-bit codes (Note [4-bit moments] in csrc/quant4.h): codes, scales and
+    decoded values of the emulated kernels (Note [4-bit CUDA lanes]) equal the CPU kernels',
+    with wide magnitudes, blocks holding a NaN or infinities (special codes, negated scales),
+    one of subnormals with an infinity (scale -0.0), a block of zeros, odd sizes, and an
+    unaligned view (element by element)."""
+    gen = torch.Generator().manual_seed(n)
+    x = torch.randn(n + 1, generator=gen) * torch.exp(torch.randn(n + 1, generator=gen) * 3)
+    if n >= 1025:
+        x[300] = float("nan")
+        x[700] = float("-inf")
+        x[701] = float("inf")
+        x[768:896] = 0.0
+    if n >= 4097:
+        x[1024:1152] = 1e-40
+        x[1100] = float("inf")
+        x[1280:1408] = float("nan")
+    if code == "unsigned":
+        x = x.abs()
+    for view in (x[:n], x[1:]):  # 16-byte aligned, and not
+        codes, scales = _quantize4_matches_cpu(sim, view, code)
+        emu_out = torch.full_like(view, -1.0)
+        sim.dequantize_4bit(codes, scales, emu_out, ops.CODES_4BIT.index(code))
+        cpu_out = torch.empty_like(view)
+        torch.ops.ruda_torch.dequantize_4bit(codes, scales, cpu_out, ops.CODES_4BIT.index(code))
+        _same(emu_out, cpu_out, "decoded values")
+
+
+@pytest.mark.parametrize("code", ops.CODES_4BIT)
+def test_dequantize_every_4bit_code_matches_cpu(sim, code):
+    """All 16 codes of each kind (every byte: both nibbles) decoded by the CUDA kernels
+    (decode_lane4, the update's decoder: a code book in shared memory) and the CPU kernels,
+    with scales of every kind: tiny, huge, zero, one, negated (blocks with non-finite values:
+    their special codes), -0.0 and NaN of either sign."""
+    scales = torch.tensor([1.0, 3.0e38, 1.5e-38, 0.0, 7.25e-3, 2.0**-100, -1.0, -3.0e38, -0.0,
+                           -7.25e-3, float("nan"), -float("nan"), 2.0**120])  # fmt: skip
+    scales = scales.repeat_interleave(4)  # 4 blocks of 64 bytes: every byte under each scale
+    codes = torch.arange(256, dtype=torch.uint8).repeat(scales.numel() // 4)
+    c = ops.CODES_4BIT.index(code)
+    out = torch.full((2 * codes.numel(),), -1.0)
+    sim.dequantize_4bit(codes, scales, out, c)
+    want = torch.empty_like(out)
+    torch.ops.ruda_torch.dequantize_4bit(codes, scales, want, c)
+    _same(out, want, f"{code} codes")
+
+
+@pytest.mark.parametrize("code", ops.CODES_4BIT)
+def test_quantize_4bit_every_class_of_value_matches_cpu(sim, code):
+    """quantize4 per lane (encode_lane4) gives the CPU's codes on every class of value: the
+    CPU ISA test's inputs (every FP16 value below 2 with its FP32 neighbours, midpoints
+    between codes, subnormals, zeros, random bit patterns, both signs)."""
+    from test_cpu_isa import _codec4_inputs
+
+    _quantize4_matches_cpu(sim, _codec4_inputs(code).reshape(-1), code)
 
 
 def test_emulated_fp16_toward_zero_is_the_hosts(sim):

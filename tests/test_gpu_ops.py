@@ -931,3 +931,80 @@ def test_8bit_optimizer_cuda_matches_cpu_bitwise(dtype, kw):
     for i, entry in states[0].items():
         for key, value in entry.items():
             assert same_bits(value, states[1][i][key].cpu()), (i, key)
+
+
+@pytest.mark.parametrize("code", ops.CODES_4BIT)
+@pytest.mark.parametrize("shape", [(0,), (1,), (98,), (1026,), (65538,), (3, 98), (7, 1030)],
+                         ids=str)  # fmt: skip
+def test_quantize_4bit_cuda_matches_cpu_bitwise(code, shape):
+    """Blockwise 4-bit codes (Note [4-bit CUDA lanes] in csrc/cuda/quant4_lanes.cuh): codes,
+    scales and decoded values of the GPU kernels equal the CPU's, with wide magnitudes and
+    blocks holding an infinity and a NaN (special codes), flat and by rows."""
+    gen = torch.Generator().manual_seed(math.prod(shape))
+    x = torch.randn(shape, generator=gen) * torch.exp(torch.randn(shape, generator=gen) * 3)
+    flat = x.view(-1)
+    if flat.numel() > 700:
+        flat[300], flat[600], flat[650] = float("nan"), float("inf"), -float("inf")
+    if code == "unsigned":
+        x = x.abs()
+    codes, scales = ops.quantize_4bit(x, code)
+    gpu_codes, gpu_scales = ops.quantize_4bit(x.cuda(), code)
+    assert torch.equal(codes, gpu_codes.cpu())
+    assert same_bits(scales, gpu_scales.cpu())
+    gpu_decoded = ops.dequantize_4bit(gpu_codes, gpu_scales, code).cpu()
+    assert same_bits(gpu_decoded, ops.dequantize_4bit(codes, scales, code))
+
+
+@pytest.mark.parametrize("code", ops.CODES_4BIT)
+def test_quantize_4bit_every_class_of_value_cuda_matches_cpu(code):
+    """The GPU's FP16 pair encoder (Note [4-bit CUDA encode]) gives the CPU's codes on every
+    class of value (tests/test_cpu_isa.py's inputs)."""
+    from test_cpu_isa import _codec4_inputs
+
+    x = _codec4_inputs(code)
+    codes, scales = ops.quantize_4bit(x, code)
+    gpu_codes, gpu_scales = ops.quantize_4bit(x.cuda(), code)
+    assert torch.equal(codes, gpu_codes.cpu())
+    assert same_bits(scales, gpu_scales.cpu())
+
+
+@pytest.mark.parametrize(
+    "dtype,kw",
+    [(torch.float32, {}), (torch.float32, {"amsgrad": True, "max_grad_norm": 0.5}),
+     (torch.bfloat16, {"master_weights": "remainder"}),
+     (torch.float16, {"master_weights": True, "amsgrad": True}),
+     (torch.bfloat16, {"stochastic_rounding": True, "rounding_seed": 7})],
+    ids=["fp32", "fp32-amsgrad-clip", "bf16-remainder", "fp16-master-amsgrad", "bf16-stochastic"],
+)  # fmt: skip
+@pytest.mark.parametrize("flat_grads", [False, True], ids=["grads", "flat-grads"])
+def test_4bit_optimizer_cuda_matches_cpu_bitwise(dtype, kw, flat_grads):
+    """state_precision="4bit" through the optimizer on CUDA (Note [4-bit CUDA step]): rows of
+    whole blocks, rows that are not (130: whole blocks in the direct kernel, the rest in the
+    edge kernel), an odd last dimension (8-bit), a small bias (FP32) and a transposed
+    parameter; parameters, codes, scales, masters and counters equal the CPU's after every
+    step."""
+    gen = torch.Generator().manual_seed(6)
+    shapes = [(300, 36), (20, 130), (33, 129), (300,), (256, 64), (70, 80)]
+    base = [torch.randn(s, generator=gen).to(dtype) for s in shapes]
+    grads = [[torch.randn(s, generator=gen).to(dtype) for s in shapes] for _ in range(3)]
+    runs, states = [], []
+    for dev in ("cpu", "cuda"):
+        params = [torch.nn.Parameter(t.clone().to(dev)) for t in base]
+        params[5] = torch.nn.Parameter(base[5].clone().to(dev).t().contiguous().t())
+        opt = ruda_torch.AdamW(params, lr=1e-2, fused_step=True, state_precision="4bit",
+                               min_8bit_size=1000, flat_grads=flat_grads, **kw)  # fmt: skip
+        for step in range(3):
+            for p, g in zip(params, grads[step], strict=True):
+                if p.grad is None or not flat_grads:
+                    p.grad = g.to(dev).clone(memory_format=torch.preserve_format)
+                else:
+                    p.grad.copy_(g.to(dev))
+            opt.step()
+        runs.append(params)
+        states.append(opt.state_dict()["state"])
+    for a, b in zip(*runs, strict=True):
+        assert same_bits(a.detach(), b.detach().cpu())
+    assert "exp_avg_codes4" in states[0][1] and "exp_avg_codes" in states[0][2]
+    for i, entry in states[0].items():
+        for key, value in entry.items():
+            assert same_bits(value, states[1][i][key].cpu()), (i, key)

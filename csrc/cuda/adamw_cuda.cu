@@ -12,6 +12,8 @@
 #include "adamw_math.h"
 #include "cuda_utils.cuh"
 #include "kernels.h"
+#include "quant4.h"
+#include "quant4_lanes.cuh"
 #include "quant8.h"
 
 namespace ruda {
@@ -39,16 +41,18 @@ __global__ void __launch_bounds__(kThreads)
 }
 
 // A unit (tile) of a launch: its tensor's pointers, its first element of the tensor and
-// that element's state index, its number of elements. A tensor of 8-bit moments whose rows
-// are not whole blocks (Note [8-bit row blocks] in csrc/quant8.h): `first` and `count`
-// count indices of its walk, and `row` is the rows' length (0 otherwise; below 2^31, the
-// binding checks).
+// that element's state index, its number of elements. A tensor of 8-bit or 4-bit moments
+// whose rows are not whole blocks (Note [8-bit row blocks] in csrc/quant8.h, Note [4-bit
+// row blocks] in csrc/quant4.h): `first` and `count` count indices of its walk, `row` is
+// the rows' length (0 otherwise; below 2^31, the binding checks) and `scale0` the tensor's
+// first scale in each moment's run (its table entry's, read once per tile).
 struct UnitTile {
   void* param;
   const void* grad;
   int64_t first, state0;
   int32_t count;
   int32_t row;
+  int64_t scale0;
 };
 
 // The math and state type of a parameter dtype (Note [Parameter dtypes]).
@@ -314,10 +318,11 @@ struct TileWalk {
   }
 
   // Moves to unit u (false past the block's run): its step values, and its tile into `tile`.
-  // kRows: the 8-bit kernel's walk, whose tensors may have rows that are not whole blocks
-  // (Note [8-bit row blocks] in csrc/quant8.h); the other kernels' tensors never do, and
-  // their per-tile bookkeeping stays without the rows' extent (5 SASS per tile).
-  template <bool kRows = false>
+  // kRowBits 8 or 4: the 8-bit or 4-bit kernels' walk, whose tensors may have rows that are
+  // not whole blocks (Note [8-bit row blocks] in csrc/quant8.h, Note [4-bit row blocks] in
+  // csrc/quant4.h); the other kernels' tensors never do, and their per-tile bookkeeping
+  // stays without the rows' extent (5 SASS per tile).
+  template <int kRowBits = 0>
   __device__ bool at_unit(const AdamWLaunch& L, UnitTile& tile) {
     if (u >= u_end) return false;
     while (u >= next) {  // the tensors before unit u (empty ones own no unit)
@@ -340,9 +345,11 @@ struct TileWalk {
       key_vm = moment_key(L.seed, t, Moment::kMaxExpAvgSq);
     }
     const int64_t first = static_cast<int64_t>(u - e.unit_start) * kCudaTile;
-    if constexpr (kRows) {
-      tile.count = static_cast<int32_t>(min(kCudaTile, state_extent(e) - first));
+    if constexpr (kRowBits != 0) {
+      const int64_t extent = kRowBits == 4 ? state_extent4(e) : state_extent(e);
+      tile.count = static_cast<int32_t>(min(kCudaTile, extent - first));
       tile.row = static_cast<int32_t>(e.row);
+      tile.scale0 = e.scale_offset;
     } else {  // tile.row is not read
       tile.count = static_cast<int32_t>(min(kCudaTile, e.numel - first));
     }
@@ -457,8 +464,7 @@ __device__ inline uint8_t* codes8(const AdamWLaunch& L, int q, int64_t k) {
 // each block (volatile: not held in registers through the block loop, Note [8-bit CUDA
 // registers]). kRows: the tile may be of a tensor whose rows are not whole blocks (Note
 // [8-bit row blocks] in csrc/quant8.h), whose blocks the edge kernel steps (the tensor's
-// scale offset read from the table entry of the warp's walk `w`); the direct kernel's
-// tiles never are.
+// scale offset from the tile, UnitTile::scale0); the direct kernel's tiles never are.
 template <typename P, typename G>
 struct Tile8 {
   P* p;
@@ -471,7 +477,7 @@ struct Tile8 {
 
 template <typename P, typename G, bool kRows = false>
 __device__ inline Tile8<P, G> tile8(const AdamWLaunch& L, const UnitTile& tile, bool has_master,
-                                    int32_t kb, const TileWalk<float>* w = nullptr) {
+                                    int32_t kb) {
   const volatile UnitTile& vt = tile;
   int64_t first = vt.first + kb;
   int64_t state = vt.state0 + kb;
@@ -484,8 +490,7 @@ __device__ inline Tile8<P, G> tile8(const AdamWLaunch& L, const UnitTile& tile, 
     const Block8 blk = block8_at(e, e.row == 0 ? 0 : first, e.numel);
     n = static_cast<int32_t>(blk.n);
     if (e.row != 0) {
-      const int32_t i = static_cast<const volatile TileWalk<float>*>(w)->i;
-      e.scale_offset = L.table[i].scale_offset;  // static-check: 32-bit (a table entry)
+      e.scale_offset = vt.scale0;
       scale = scale_index8(e, first);
       state = vt.state0 - vt.first + blk.first;
       first = blk.first;
@@ -670,7 +675,7 @@ __device__ inline void step_block8(const AdamWLaunch& L, const StepCoefs<float>&
   // direct one keeps it (its registers allow, and rereading it cost 20 SASS per block).
   int64_t sk_out = sk, b_out = b;
   if constexpr (kEdge) {
-    const Tile8<P, G> out = tile8<P, G, kEdge>(L, tile, false, kb, &w);
+    const Tile8<P, G> out = tile8<P, G, kEdge>(L, tile, false, kb);
     sk_out = out.state;
     b_out = out.scale;
   }
@@ -689,6 +694,53 @@ __device__ inline void step_block8(const AdamWLaunch& L, const StepCoefs<float>&
       __stwb(reinterpret_cast<uint2*>(codes8(L, q, sk_out + k)), oc[q]);
     }
   }
+}
+
+// Note [Warp tile walk]
+// The low-bit kernels' walk of a launch's tiles (Note [CUDA tile walk]), one walk per warp
+// in shared memory (Note [8-bit CUDA registers]): every lane walks a copy in registers, lane
+// 0 writes it back, between warp barriers; a tile per thread, which each writes.
+// start_warp_walk before the first tile (a barrier of the block: it also orders what the
+// caller wrote to shared memory before it), then next_warp_tile for each tile: false past
+// the warp's run, else the tile in `tile` and its coefficients in `c`. kRowBits: the rows'
+// blocks of the tiles' extent (8 or 4, TileWalk::at_unit).
+// The moments' FP32 constants are read from `consts` in shared memory (Note [8-bit CUDA
+// constants]).
+__device__ inline void start_warp_walk(const AdamWLaunch& L, TileWalk<float>& w, float* consts) {
+  if (threadIdx.x == 0) {
+    consts[0] = L.hyper.beta1_f;
+    consts[1] = L.hyper.one_minus_beta1_f;
+    consts[2] = L.hyper.beta2_f;
+    consts[3] = L.hyper.one_minus_beta2_f;
+    consts[4] = L.hyper.eps_f;
+  }
+  __syncthreads();
+  if (threadIdx.x % 32 == 0) w.init(L);
+  __syncwarp();
+}
+
+template <int kRowBits>
+__device__ inline bool next_warp_tile(const AdamWLaunch& L, const StepDecision& d, double lr,
+                                      TileWalk<float>& w, UnitTile& tile, const float* consts,
+                                      StepCoefs<float>& c) {
+  TileWalk<float> now = w;
+  const bool more = now.template at_unit<kRowBits>(L, tile);
+  __syncwarp();  // every lane has read the warp's walk
+  if (threadIdx.x % 32 == 0) {
+    TileWalk<float> after = now;
+    ++after.u;
+    w = after;
+  }
+  __syncwarp();  // ... and sees the new one
+  if (!more) return false;
+  c = now.coefs(L, factor_of<float>(d), lr);
+  const volatile float* vc = consts;  // Note [8-bit CUDA constants]
+  c.beta1 = vc[0];
+  c.one_minus_beta1 = vc[1];
+  c.beta2 = vc[2];
+  c.one_minus_beta2 = vc[3];
+  c.eps = vc[4];
+  return true;
 }
 
 // The 8-bit step over a launch's tiles: the blocks the lanes access directly (kEdges
@@ -726,7 +778,7 @@ __device__ inline void step_tiles8(const AdamWLaunch& L, const Ch& ch) {
   __syncwarp();
   for (;;) {
     TileWalk<float> now = w;
-    const bool more = now.at_unit<true>(L, tile);
+    const bool more = now.at_unit<8>(L, tile);
     __syncwarp();  // every lane has read the warp's walk
     if (lane == 0) {
       TileWalk<float> after = now;
@@ -761,7 +813,7 @@ __device__ inline void step_tiles8(const AdamWLaunch& L, const Ch& ch) {
       // The tile's count read for each block (Note [8-bit CUDA registers]).
       const volatile UnitTile& vt = tile;
       for (int32_t kb = whole + warp * kBlock; kb < vt.count; kb += kWarps8 * kBlock) {
-        const Tile8<P, G> b = tile8<P, G, true>(L, tile, has_master, kb, &w);
+        const Tile8<P, G> b = tile8<P, G, true>(L, tile, has_master, kb);
         step_block8<P, G, AMSGRAD, true, REM>(L, c, b.p, b.g, b.master, b.state, b.scale, b.n, park,
                                               w, tile, kb, ch);
       }
@@ -811,36 +863,341 @@ void launch_tiles8(Kernel kernel, const AdamWLaunch& L, cudaStream_t stream) {
   RUDA_CUDA_CHECK_LAUNCH();
 }
 
+// The kernels of a low-bit format: its direct kernel of given choices and its edge kernel.
+struct Kernels8 {
+  template <typename P, typename G, bool AMSGRAD, bool REM, bool kM, bool kS, bool kL2>
+  static auto direct() {
+    return adamw8_kernel<P, G, AMSGRAD, REM, kM, kS, kL2>;
+  }
+  template <typename P, typename G, bool AMSGRAD, bool REM>
+  static auto edge() {
+    return adamw8_edge_kernel<P, G, AMSGRAD, REM>;
+  }
+};
+
 // The direct kernel of the launch's choices (Choice8): only those its parameters can make.
 // Master weights: 16-bit parameters without remainders; stochastic rounding: BF16 ones
 // without master weights (csrc/bindings.cpp refuses stochastic rounding with them).
-template <typename P, typename G, bool AMSGRAD, bool REM>
-void launch_direct8(const AdamWLaunch& L, cudaStream_t stream) {
+template <typename K, typename P, typename G, bool AMSGRAD, bool REM>
+void launch_direct(const AdamWLaunch& L, cudaStream_t stream) {
   constexpr bool kCanMaster = kIs16Bit<P> && !REM;
   constexpr bool kCanRound = std::is_same_v<P, __nv_bfloat16> && !REM;
   const Choice8Of ch = choice8_of(L);
   const auto pick = [&](auto master, auto stochastic) {
     constexpr bool kM = decltype(master)::value, kS = decltype(stochastic)::value;
-    if (ch.l2) return launch_tiles8(adamw8_kernel<P, G, AMSGRAD, REM, kM, kS, true>, L, stream);
-    launch_tiles8(adamw8_kernel<P, G, AMSGRAD, REM, kM, kS, false>, L, stream);
+    if (ch.l2) {
+      return launch_tiles8(K::template direct<P, G, AMSGRAD, REM, kM, kS, true>(), L, stream);
+    }
+    launch_tiles8(K::template direct<P, G, AMSGRAD, REM, kM, kS, false>(), L, stream);
   };
   if (kCanMaster && ch.master) return pick(std::bool_constant<kCanMaster>{}, std::false_type{});
   if (kCanRound && ch.stochastic) return pick(std::false_type{}, std::bool_constant<kCanRound>{});
   pick(std::false_type{}, std::false_type{});
 }
 
-// Both 8-bit kernels read the counters and the old scales of their own blocks only: they
-// step disjoint blocks, in either order.
-template <typename P, typename G, bool REM>
-void launch_8bit(const AdamWLaunch& L, cudaStream_t stream) {
+// A low-bit step (K: Kernels8 or Kernels4). Both kernels of a format read the counters and
+// the old scales of their own blocks only: they step disjoint blocks, in either order.
+template <typename K, typename P, typename G, bool REM>
+void launch_low_bit(const AdamWLaunch& L, cudaStream_t stream) {
   if (L.amsgrad) {
-    launch_direct8<P, G, true, REM>(L, stream);
-    if (L.edges8) launch_tiles8(adamw8_edge_kernel<P, G, true, REM>, L, stream);
+    launch_direct<K, P, G, true, REM>(L, stream);
+    if (L.edges) launch_tiles8(K::template edge<P, G, true, REM>(), L, stream);
   } else {
-    launch_direct8<P, G, false, REM>(L, stream);
-    if (L.edges8) launch_tiles8(adamw8_edge_kernel<P, G, false, REM>, L, stream);
+    launch_direct<K, P, G, false, REM>(L, stream);
+    if (L.edges) launch_tiles8(K::template edge<P, G, false, REM>(), L, stream);
   }
 }
+
+// Note [4-bit CUDA step]
+// Note [4-bit moments] in csrc/quant4.h on the GPU: each warp steps one block of kBlock4
+// elements at a time, lane l its elements 4 l .. 4 l + 3 (Note [4-bit CUDA lanes] in
+// quant4_lanes.cuh), decoded to FP32, stepped by adamw_element as FP32 moments and coded
+// again with the block's new scale: "decode, the FP32 step, encode", as on the CPU. A lane
+// holds half the elements of an 8-bit lane, whose values and codes fit its registers: no
+// park in shared memory. As for 8 bits (Note [8-bit CUDA registers]), the walk is kept per
+// warp in shared memory (Note [Warp tile walk]), and the blocks the lanes cannot access
+// directly go to a kernel of their own (adamw4_edge_kernel, element by element): a block
+// shorter than kBlock4 (a tensor's last, or a row's last where rows are not whole blocks),
+// or one whose elements, masters, remainders or codes are not aligned for the lanes' wide
+// accesses. The whole, aligned blocks of rows that are not whole blocks (Note [4-bit row
+// blocks]) take the direct kernel: both kernels ask block4_direct() of every block of such
+// a tile, and of a flat tile once.
+
+// The block at index kb of a tile: its first element in the tensor, that element's state
+// index (masters, remainders, random bits), its first code's nibble, its scale in each
+// moment's run, its elements. A tile of rows that are not whole blocks maps kb by its row
+// (block4_at).
+struct Block4At {
+  int64_t first, state, nibble, scale;
+  int32_t n;
+};
+
+__device__ inline Block4At block4_in(const UnitTile& tile, int32_t kb) {
+  const volatile UnitTile& vt = tile;
+  const int64_t off = vt.state0 - vt.first;  // the tensor's state offset
+  const int64_t kc = vt.first + kb;          // the block's index in the tensor's walk
+  if (vt.row == 0) {
+    const int64_t state = off + kc;  // never negative: an unsigned shift
+    return {kc, state, state, static_cast<int64_t>(static_cast<uint64_t>(state) / kBlock4),
+            min(static_cast<int32_t>(kBlock4), vt.count - kb)};
+  }
+  TensorEntry e{};
+  e.row = vt.row;
+  e.state_offset = off;
+  e.scale_offset = vt.scale0;
+  const Block4 blk = block4_at(e, kc, 0);
+  return {blk.first, off + blk.first, blk.nibble, scale_index4(e, kc), static_cast<int32_t>(blk.n)};
+}
+
+// The codes of moment q (0 exp_avg, 1 exp_avg_sq, 2 max_exp_avg_sq) from nibble k (even).
+__device__ inline uint8_t* codes4(const AdamWLaunch& L, int q, int64_t k) {
+  void* base = q == 0 ? L.exp_avg : q == 1 ? L.exp_avg_sq : L.max_exp_avg_sq;
+  return static_cast<uint8_t*>(base) + (static_cast<uint64_t>(k) >> 1);
+}
+
+// Whether the lanes access a block directly (Note [4-bit CUDA lanes]): whole, its elements
+// (4 per lane), masters and remainders aligned for one access of 4, its codes for one
+// 16-bit access per lane (from a nibble that is a multiple of 4).
+template <typename P, typename G, bool AMSGRAD, bool REM>
+__device__ inline bool block4_direct(const AdamWLaunch& L, const UnitTile& tile, const Block4At& b,
+                                     bool has_master) {
+  const volatile UnitTile& vt = tile;
+  bool direct =
+      b.n == static_cast<int32_t>(kBlock4) &&
+      is_aligned<kPerLane4>(static_cast<const P*>(const_cast<void*>(vt.param)) + b.first) &&
+      is_aligned<kPerLane4>(static_cast<const G*>(const_cast<const void*>(vt.grad)) + b.first) &&
+      (!has_master || is_aligned<kPerLane4>(L.master + b.state)) &&
+      (!REM || is_aligned<kPerLane4>(L.remainder + b.state)) && (b.nibble & 3) == 0;
+  for (int q = 0; q < (AMSGRAD ? 3 : 2); ++q)
+    direct = direct && is_aligned<1>(reinterpret_cast<const uint16_t*>(codes4(L, q, b.nibble)));
+  return direct;
+}
+
+// One block stepped by a warp (Note [4-bit CUDA step]). kEdge: its n elements read and
+// written one by one, zeros past its end (which step to zeros and change no maximum), and
+// its codes byte by byte.
+template <typename P, typename G, bool AMSGRAD, bool kEdge, bool REM, typename Ch>
+__device__ inline void step_block4(const AdamWLaunch& L, const StepCoefs<float>& coefs,
+                                   const Book4& book, const UnitTile& tile, const Block4At& b,
+                                   uint32_t key, const Ch& ch) {
+  constexpr int kMoments = AMSGRAD ? 3 : 2;
+  const int lane = static_cast<int>(threadIdx.x % 32);
+  const int k = kPerLane4 * lane;  // the lane's first element of the block
+  const int n = b.n;
+  const bool with_master = !REM && kIs16Bit<P> && ch.master;
+  StepCoefs<float> c = coefs;
+  c.l2_on = ch.l2;  // the direct kernels' constant: their element loop tests none of these
+  const volatile UnitTile& vt = tile;
+  P* p = static_cast<P*>(const_cast<void*>(vt.param)) + b.first + k;
+  const G* g = static_cast<const G*>(const_cast<const void*>(vt.grad)) + b.first + k;
+  float* master = with_master ? L.master + b.state + k : nullptr;
+  uint16_t* rem = REM ? L.remainder + b.state + k : nullptr;
+  // Read before lane 0 writes the new scales: each value feeds the warp's reduction below.
+  float sc[3];
+  sc[0] = L.exp_avg_scales[b.scale];                          // static-check: 32-bit (a scale)
+  sc[1] = L.exp_avg_sq_scales[b.scale];                       // static-check: 32-bit (a scale)
+  sc[2] = AMSGRAD ? L.max_exp_avg_sq_scales[b.scale] : 0.0f;  // static-check: 32-bit (a scale)
+  uint32_t cw[3] = {0u, 0u, 0u};
+#pragma unroll
+  for (int q = 0; q < kMoments; ++q) {
+    const uint8_t* codes = codes4(L, q, b.nibble);
+    if constexpr (kEdge) {  // the block's codes byte by byte; nibbles past its end as 0
+#pragma unroll
+      for (int j = 0; j < kPerLane4; j += 2) {
+        if (k + j < n) {
+          const uint32_t byte = codes[(k + j) / 2];
+          cw[q] |= (k + j + 1 < n ? byte : byte & 15u) << (4 * j);
+        }
+      }
+    } else {
+      cw[q] = __ldca(reinterpret_cast<const unsigned short*>(codes) + lane);
+    }
+  }
+  float m[kPerLane4], v[kPerLane4], vm[kPerLane4];
+  decode_lane4<Code4::kSigned>(cw[0], sc[0], book, m);
+  decode_lane4<Code4::kUnsigned>(cw[1], sc[1], book, v);
+  if (AMSGRAD) decode_lane4<Code4::kUnsigned>(cw[2], sc[2], book, vm);
+  // The lane's parameters (16-bit: their bits), gradients, masters or remainders: loaded
+  // with one access each (direct), or element by element inside the loop below (kEdge: a
+  // value at a time, few registers), zeros past the block's end.
+  float pv[kPerLane4], gv[kPerLane4], mv[kPerLane4];
+  uint16_t bits[kPerLane4], low[kPerLane4];
+  if constexpr (!kEdge) {
+    if constexpr (kIs16Bit<P>) {
+      load_bits16(reinterpret_cast<const uint16_t*>(p), bits);
+      if (REM) load_bits16(rem, low);
+      if (with_master) load_vec<kPerLane4>(master, mv);
+    } else {
+      load_vec<kPerLane4>(p, pv);
+    }
+    load_vec<kPerLane4>(g, gv);
+  }
+#pragma unroll
+  for (int j = 0; j < kPerLane4; ++j) {
+    const bool in = !kEdge || k + j < n;
+    if constexpr (kEdge) {
+      if constexpr (kIs16Bit<P>) {
+        bits[j] = in ? reinterpret_cast<const uint16_t*>(p)[j] : 0;
+        if (REM) low[j] = in ? rem[j] : 0;
+        if (with_master) mv[j] = in ? master[j] : 0.0f;
+      } else {
+        pv[j] = in ? p[j] : 0.0f;  // static-check: 32-bit (edges)
+      }
+      gv[j] = in ? to_float(g[j]) : 0.0f;  // static-check: 32-bit (edges)
+    }
+    float pk;
+    if constexpr (REM) {
+      pk = master_of_remainder(bits[j], low[j]);
+    } else if constexpr (kIs16Bit<P>) {
+      pk = with_master ? master_or_param<kIsHalf<P>>(mv[j], bits[j], widen<P>(bits[j]))
+                       : widen<P>(bits[j]);
+    } else {
+      pk = pv[j];
+    }
+    adamw_element<AMSGRAD, DeviceOps, false>(pk, gv[j], m[j], v[j], vm[j], c);
+    if constexpr (REM) {
+      const uint32_t split = split_master(pk);
+      bits[j] = static_cast<uint16_t>(split >> 16);
+      low[j] = static_cast<uint16_t>(split);
+    } else if constexpr (kIs16Bit<P>) {
+      if (with_master) mv[j] = pk;
+      pv[j] = pk;  // rounded below, a pair at a time
+    } else {
+      pv[j] = pk;
+    }
+    if constexpr (kEdge) {
+      if (in) {
+        if constexpr (REM) {
+          reinterpret_cast<uint16_t*>(p)[j] = bits[j];
+          rem[j] = low[j];
+        } else if constexpr (kIs16Bit<P>) {
+          if (with_master) master[j] = mv[j];
+          reinterpret_cast<uint16_t*>(p)[j] =
+              round_param<kIsHalf<P>>(pk, L.rounding, key, b.state + k + j);
+        } else {
+          p[j] = pk;
+        }
+      }
+    }
+  }
+  if constexpr (!kEdge) {
+    if constexpr (REM) {
+      store_bits16(reinterpret_cast<uint16_t*>(p), bits);
+      store_bits16(rem, low);
+    } else if constexpr (kIs16Bit<P>) {
+      if (with_master) store_vec<kPerLane4>(master, mv);
+      // The 16-bit parameters rounded a pair at a time (one conversion for the pair to
+      // nearest; stochastically, each element's own random bits).
+      uint32_t w[2];
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        if (!kIsHalf<P> && ch.stochastic) {
+          const int64_t at = b.state + k + 2 * h;
+          w[h] = round_pair_stochastic_bf16(pv[2 * h], pv[2 * h + 1], rounding_bits(key, at),
+                                            rounding_bits(key, at + 1));
+        } else {
+          w[h] = round_pair_nearest16<kIsHalf<P>>(pv[2 * h], pv[2 * h + 1]);
+        }
+      }
+      __stwb(reinterpret_cast<uint2*>(p), make_uint2(w[0], w[1]));
+    } else {
+      store_vec<kPerLane4>(p, pv);
+    }
+  }
+  uint32_t largest[3] = {0u, 0u, 0u};
+  largest[0] = largest_of(m, kPerLane4, 0u);
+  largest[1] = largest_of(v, kPerLane4, 0u);
+  if (AMSGRAD) largest[2] = largest_of(vm, kPerLane4, 0u);
+  uint32_t oc[3];
+  sc[0] = lane_block_scale(m, kPerLane4, largest[0]);
+  oc[0] = encode_lane4<Code4::kSigned>(m, sc[0]);
+  sc[1] = lane_block_scale(v, kPerLane4, largest[1]);
+  oc[1] = encode_lane4<Code4::kUnsigned>(v, sc[1]);
+  if (AMSGRAD) {
+    sc[2] = lane_block_scale(vm, kPerLane4, largest[2]);
+    oc[2] = encode_lane4<Code4::kUnsigned>(vm, sc[2]);
+  }
+  if (lane == 0) {
+    L.exp_avg_scales[b.scale] = sc[0];
+    L.exp_avg_sq_scales[b.scale] = sc[1];
+    if (AMSGRAD) L.max_exp_avg_sq_scales[b.scale] = sc[2];
+  }
+#pragma unroll
+  for (int q = 0; q < kMoments; ++q) {
+    uint8_t* codes = codes4(L, q, b.nibble);
+    if constexpr (kEdge) {  // the block's bytes only (an odd block's last high nibble 0)
+#pragma unroll
+      for (int j = 0; j < kPerLane4; j += 2) {
+        if (k + j < n) codes[(k + j) / 2] = static_cast<uint8_t>(oc[q] >> (4 * j));
+      }
+    } else {
+      __stwb(reinterpret_cast<unsigned short*>(codes) + lane, static_cast<unsigned short>(oc[q]));
+    }
+  }
+}
+
+// The 4-bit step over a launch's tiles: the blocks the lanes access directly (kEdges false:
+// adamw4_kernel) or the others (kEdges true: adamw4_edge_kernel), each in a kernel of its
+// own (Note [4-bit CUDA step]).
+template <typename P, typename G, bool AMSGRAD, bool kEdges, bool REM, typename Ch>
+__device__ inline void step_tiles4(const AdamWLaunch& L, const Ch& ch) {
+  const StepDecision d = decide_step(L.control);
+  if (d.skip) return;  // parameters, moments and step counters stay bit-identical
+  __shared__ Book4 book;
+  __shared__ TileWalk<float> walks[kWarps8];  // Note [Warp tile walk]
+  __shared__ UnitTile tiles[kThreads8];
+  __shared__ bool flat_direct[kThreads8];
+  __shared__ float consts[5];
+  book.fill(static_cast<int>(threadIdx.x));  // before the walk's barrier
+  const int warp = static_cast<int>(threadIdx.x / 32);
+  TileWalk<float>& w = walks[warp];
+  UnitTile& tile = tiles[threadIdx.x];
+  const bool has_master = !REM && kIs16Bit<P> && ch.master;
+  constexpr int32_t kBlock = static_cast<int32_t>(kBlock4);
+  const double lr = learning_rate(L.hyper);  // a Tensor lr: one load
+  start_warp_walk(L, w, consts);
+  StepCoefs<float> c;
+  while (next_warp_tile<4>(L, d, lr, w, tile, consts, c)) {
+    const uint32_t key = ch.stochastic ? static_cast<const volatile TileWalk<float>&>(w).key : 0u;
+    // A flat tile's blocks share their alignment (each starts kBlock4 elements and 64 bytes
+    // of codes after the last): the first block's, decided once, holds for its whole ones.
+    // (Kept in shared memory with the tile, read for each block: Note [8-bit CUDA registers].)
+    Block4At first = block4_in(tile, 0);
+    first.n = kBlock;
+    flat_direct[threadIdx.x] =
+        tile.row == 0 && block4_direct<P, G, AMSGRAD, REM>(L, tile, first, has_master);
+    const volatile UnitTile& vt = tile;
+    const volatile bool& flat = flat_direct[threadIdx.x];
+    for (int32_t kb = warp * kBlock; kb < vt.count; kb += kWarps8 * kBlock) {
+      const Block4At b = block4_in(tile, kb);
+      const bool direct = vt.row == 0 ? flat && b.n == kBlock
+                                      : block4_direct<P, G, AMSGRAD, REM>(L, tile, b, has_master);
+      if (direct == kEdges) continue;  // the other kernel's block
+      step_block4<P, G, AMSGRAD, kEdges, REM>(L, c, book, tile, b, key, ch);
+    }
+  }
+}
+
+template <typename P, typename G, bool AMSGRAD, bool REM, bool kMaster, bool kStochastic, bool kL2>
+__global__ void __launch_bounds__(kThreads8, kBlocksPerSm8) adamw4_kernel(AdamWLaunch L) {
+  step_tiles4<P, G, AMSGRAD, false, REM>(L, Choice8<kMaster, kStochastic, kL2>{});
+}
+
+template <typename P, typename G, bool AMSGRAD, bool REM>
+__global__ void __launch_bounds__(kThreads8, kBlocksPerSm8) adamw4_edge_kernel(AdamWLaunch L) {
+  step_tiles4<P, G, AMSGRAD, true, REM>(L, choice8_of(L));
+}
+
+struct Kernels4 {
+  template <typename P, typename G, bool AMSGRAD, bool REM, bool kM, bool kS, bool kL2>
+  static auto direct() {
+    return adamw4_kernel<P, G, AMSGRAD, REM, kM, kS, kL2>;
+  }
+  template <typename P, typename G, bool AMSGRAD, bool REM>
+  static auto edge() {
+    return adamw4_edge_kernel<P, G, AMSGRAD, REM>;
+  }
+};
 
 template <typename P, typename G, typename S, bool REM>
 void launch_state(const AdamWLaunch& L, cudaStream_t stream) {
@@ -870,9 +1227,15 @@ void launch(const AdamWLaunch& L, cudaStream_t stream) {
     if (L.state_dtype == DType::kBFloat16) return launch_state_of<P, G, __nv_bfloat16>(L, stream);
     if (L.state_dtype == DType::kUInt8) {
       if constexpr (std::is_same_v<P, __nv_bfloat16>) {
-        if (L.remainder != nullptr) return launch_8bit<P, G, true>(L, stream);
+        if (L.remainder != nullptr) return launch_low_bit<Kernels8, P, G, true>(L, stream);
       }
-      return launch_8bit<P, G, false>(L, stream);
+      return launch_low_bit<Kernels8, P, G, false>(L, stream);
+    }
+    if (L.state_dtype == DType::kNibble) {
+      if constexpr (std::is_same_v<P, __nv_bfloat16>) {
+        if (L.remainder != nullptr) return launch_low_bit<Kernels4, P, G, true>(L, stream);
+      }
+      return launch_low_bit<Kernels4, P, G, false>(L, stream);
     }
   }
   launch_state_of<P, G, MathOf<P>>(L, stream);

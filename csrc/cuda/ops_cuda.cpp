@@ -123,12 +123,20 @@ void dequantize_8bit_cuda_op(const at::Tensor& codes, const at::Tensor& scales,
   dequantize_8bit_cuda(launch, current_stream());
 }
 
-// Note [4-bit moments] in csrc/quant4.h: CPU kernels only in this release.
-void no_4bit_cuda(const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t) {
-  TORCH_CHECK(false,
-              "ruda_torch: 4-bit codes (quantize_4bit / dequantize_4bit, "
-              "state_precision='4bit') have CPU kernels only in this release; move the "
-              "tensors to the CPU, or use state_precision='8bit' on CUDA");
+void quantize_4bit_cuda_op(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
+                           int64_t code) {
+  const Quant8Launch launch = prepare_quantize_8bit(x, codes, scales, code, 4);
+  if (launch.n == 0) return;
+  const c10::cuda::CUDAGuard guard(x.device());
+  quantize_4bit_cuda(launch, current_stream());
+}
+
+void dequantize_4bit_cuda_op(const at::Tensor& codes, const at::Tensor& scales,
+                             const at::Tensor& out, int64_t code) {
+  const Quant8Launch launch = prepare_dequantize_8bit(codes, scales, out, code, 4);
+  if (launch.n == 0) return;
+  const c10::cuda::CUDAGuard guard(out.device());
+  dequantize_4bit_cuda(launch, current_stream());
 }
 
 }  // namespace
@@ -170,6 +178,6 @@ TORCH_LIBRARY_IMPL(ruda_torch, CUDA, m) {
   m.impl("merge_gradient_stats_chunks", &ruda::merge_gradient_stats_chunks_cuda_op);
   m.impl("quantize_8bit", &ruda::quantize_8bit_cuda_op);
   m.impl("dequantize_8bit", &ruda::dequantize_8bit_cuda_op);
-  m.impl("quantize_4bit", &ruda::no_4bit_cuda);
-  m.impl("dequantize_4bit", &ruda::no_4bit_cuda);
+  m.impl("quantize_4bit", &ruda::quantize_4bit_cuda_op);
+  m.impl("dequantize_4bit", &ruda::dequantize_4bit_cuda_op);
 }

@@ -106,6 +106,18 @@ void dequantize_8bit(const at::Tensor& codes, const at::Tensor& scales, const at
   if (launch.n > 0) ruda::dequantize_8bit_cuda(launch, nullptr);
 }
 
+void quantize_4bit(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
+                   int64_t code) {
+  const ruda::Quant8Launch launch = ruda::prepare_quantize_8bit(x, codes, scales, code, 4);
+  if (launch.n > 0) ruda::quantize_4bit_cuda(launch, nullptr);
+}
+
+void dequantize_4bit(const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& out,
+                     int64_t code) {
+  const ruda::Quant8Launch launch = ruda::prepare_dequantize_8bit(codes, scales, out, code, 4);
+  if (launch.n > 0) ruda::dequantize_4bit_cuda(launch, nullptr);
+}
+
 // A flat bucket (Note [Flat gradient buckets]) on the emulated device: the binding's
 // FlatBucket, with its device tables as host memory written by the rules of Note [Flat
 // device tables] (as csrc/cuda/ops_cuda.cpp writes them), counting the writes.
@@ -213,6 +225,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("merge_chunks", &merge_chunks);
   m.def("quantize_8bit", &quantize_8bit);
   m.def("dequantize_8bit", &dequantize_8bit);
+  m.def("quantize_4bit", &quantize_4bit);
+  m.def("dequantize_4bit", &dequantize_4bit);
   m.def("resident_blocks", &resident_blocks);
   m.def("f16_bits_toward_zero", &emulated_f16_toward_zero);
   py::class_<SimFlat, std::shared_ptr<SimFlat>>(m, "SimFlat");
