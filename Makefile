@@ -288,7 +288,7 @@ test-cuda-sim: $(BUILD_STAMP)
 	RUDA_CUDA_SIM_SANITIZE=thread LD_PRELOAD=$(TSAN_LIB) \
 		TSAN_OPTIONS="halt_on_error=1 exitcode=66 report_signal_unsafe=0" \
 		$(PY) -m pytest tests/test_cuda_sim.py -q -p no:cacheprovider \
-		-k "concurrent and (analyze or merge or 8bit)"
+		-k "concurrent and (analyze or merge or 8bit or 4bit)"
 	$(PY) tools/cuda_sim_mutations.py
 
 # The CUDA kernels' static check (tools/check_cuda_static.py, docs/building.md): compiled

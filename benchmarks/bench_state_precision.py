@@ -30,6 +30,11 @@ that torchao quantizes every tensor.
     .venv/bin/python benchmarks/bench_state_precision.py --elements 20M --tensors 100 --row 1000
     .venv/bin/python benchmarks/bench_state_precision.py --elements 20M --tensors 100 \
         --variants ours_fp32,ours_8bit,ours_4bit,stream_add
+    .venv/bin/python benchmarks/bench_state_precision.py --device cuda --elements 256M \
+        --iterations 10 --json states.json   # on a GPU (tools/gpu_check.sh runs it)
+
+On a GPU (--device cuda) every sample is timed between two synchronizations of the
+device.
 """
 
 from __future__ import annotations
@@ -57,12 +62,13 @@ NAMES = ("torch_fused", "ours_fp32", "ours_bf16", "ours_8bit", "torchao_8bit", "
          "torchao_4bit", "torch_fused_bf16", "stream_add")  # fmt: skip
 
 
-def make_params(sizes: list, seed: int) -> list[torch.nn.Parameter]:
-    """A parameter of each size (an element count, or a shape), with a gradient."""
+def make_params(sizes: list, seed: int, device: torch.device) -> list[torch.nn.Parameter]:
+    """A parameter of each size (an element count, or a shape), with a gradient, on
+    `device`."""
     gen = torch.Generator().manual_seed(seed)
-    params = [torch.nn.Parameter(torch.randn(s, generator=gen)) for s in sizes]
+    params = [torch.nn.Parameter(torch.randn(s, generator=gen).to(device)) for s in sizes]
     for p in params:
-        p.grad = torch.randn(p.shape, generator=gen) * 1e-2
+        p.grad = (torch.randn(p.shape, generator=gen) * 1e-2).to(device)
     return params
 
 
@@ -79,9 +85,9 @@ def state_bytes(opt: torch.optim.Optimizer) -> int:
     return total
 
 
-def build(name: str, sizes: list):
+def build(name: str, sizes: list, device: torch.device):
     """(step function, optimizer) of a variant, or (None, reason) where it cannot run."""
-    params = make_params(sizes, seed=0)
+    params = make_params(sizes, seed=0, device=device)
     if name == "torch_fused":
         opt = torch.optim.AdamW(params, fused=True, **HYPER)
     elif name == "ours_fp32":
@@ -102,13 +108,13 @@ def build(name: str, sizes: list):
         opt = torch.optim.AdamW(params, fused=True, **HYPER)
         for p in params:
             opt.state[p] = {
-                "step": torch.tensor(0.0),
+                "step": torch.tensor(0.0, device=device),
                 "exp_avg": torch.zeros_like(p, dtype=torch.bfloat16),
                 "exp_avg_sq": torch.zeros_like(p, dtype=torch.bfloat16),
             }
     elif name == "stream_add":
         n = sum(math.prod(s) if isinstance(s, tuple) else s for s in sizes)
-        a, b = torch.randn(n), torch.randn(n) * 1e-9
+        a, b = torch.randn(n, device=device), torch.randn(n, device=device) * 1e-9
         return (lambda: a.add_(b)), None
     else:
         raise KeyError(name)
@@ -133,6 +139,12 @@ def main(argv=None) -> int:
     ap.add_argument("--variants", default=",".join(NAMES),
                     help="comma-separated variants to run (default: all): "
                          + ", ".join(NAMES))  # fmt: skip
+    ap.add_argument(
+        "--device",
+        default="cpu",
+        choices=("cpu", "cuda"),
+        help="where the parameters and the state live (default: cpu)",
+    )
     ap.add_argument("--json", type=Path, help="write the results here")
     args = ap.parse_args(argv)
     wanted = [v for v in args.variants.split(",") if v]
@@ -148,15 +160,21 @@ def main(argv=None) -> int:
     each = max(unit, round(n / args.tensors / unit) * unit)
     sizes = [(each // args.row, args.row) if args.row else each] * args.tensors
     n = each * args.tensors
-    env = environment(torch.device("cpu"))
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        ap.error("--device cuda: torch sees no CUDA device here")
+    env = environment(device)
     shape = f"{each // args.row} x {args.row}" if args.row else f"{each:,}"
-    print(f"{n:,} FP32 elements in {args.tensors} tensors of {shape}; CPU {env.get('cpu_model')}, "
-          f"{torch.get_num_threads()} threads, torch {torch.__version__}", flush=True)  # fmt: skip
+    where = (f"GPU {env.get('gpu_name')}" if device.type == "cuda" else
+             f"CPU {env.get('cpu_model')}, {torch.get_num_threads()} threads")  # fmt: skip
+    print(f"{n:,} FP32 elements in {args.tensors} tensors of {shape}; {where}, "
+          f"torch {torch.__version__}", flush=True)  # fmt: skip
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     names = [v for v in NAMES if v == "torch_fused" or v in wanted]
     steps, skipped, bytes_per = {}, {}, {}
     for name in names:
         print(f"  setting up {name} ...", flush=True)
-        fn, opt = build(name, sizes)
+        fn, opt = build(name, sizes, device)
         if fn is None:
             skipped[name] = opt
             print(f"  {name}: {opt}", flush=True)
@@ -170,9 +188,11 @@ def main(argv=None) -> int:
     order = list(steps)
     for s in range(args.samples):
         for name in order if s % 2 == 0 else order[::-1]:
+            sync()
             t0 = time.perf_counter()
             for _ in range(args.iterations):
                 steps[name]()
+            sync()
             times[name].append((time.perf_counter() - t0) * 1e3 / args.iterations)
         print(f"  sample {s + 1}/{args.samples}: "
               + ", ".join(f"{k} {v[-1]:.1f} ms" for k, v in times.items()), flush=True)  # fmt: skip
@@ -196,8 +216,9 @@ def main(argv=None) -> int:
     for name, why in skipped.items():
         print(f"{name:<18}not run: {why}")
     if args.json:
-        args.json.write_text(json.dumps(dict(environment=env, elements=n, tensors=args.tensors,
-                                             row=args.row, results=rows, skipped=skipped),
+        args.json.write_text(json.dumps(dict(environment=env, device=args.device, elements=n,
+                                             tensors=args.tensors, row=args.row, results=rows,
+                                             skipped=skipped),
                                         indent=1))  # fmt: skip
     return 0
 

@@ -17,18 +17,20 @@
 #   1b. preflight: numpy, pytest, setuptools, ninja and a real toolkit root, in seconds
 #   3. tests (before any benchmark): tools/run_adamw_regressions.py --suite cuda, i.e. `pytest tests -m gpu -q
 #      -ra`, with its JSON record (it fails when no gpu test passes)
-#   4. benchmarks (benchmarks/bench_adamw.py --device cuda):
+#   4. benchmarks (benchmarks/bench_adamw.py --device cuda, but b.):
 #      a. FP32 gradients, BENCH_ELEMENTS (default 2^29 = 536,870,912) in 200 tensors,
 #         every variant, the pipeline comparison, bandwidth against the device-to-device
 #         copy and a.add_(b), host syncs per step (set_sync_debug_mode), and the
 #         20,000 x 512 many-small case
-#      b. the pipelines with torch.amp.GradScaler, BENCH_SMALL_ELEMENTS (2^28)
-#      c. BF16 gradients, ours vs the staged baseline, BENCH_SMALL_ELEMENTS
+#      b. the moments in FP32, BF16, 8 and 4 bits against torch's fused step and
+#         a.add_(b), BENCH_SMALL_ELEMENTS (2^28; benchmarks/bench_state_precision.py)
+#      c. the pipelines with torch.amp.GradScaler, BENCH_SMALL_ELEMENTS
+#      d. BF16 gradients, ours vs the staged baseline, BENCH_SMALL_ELEMENTS
 #   5. a summary table of everything above (each benchmark's table is also printed as
 #      soon as it finishes; one skipped for lack of time is a warning, not a failure)
 #
-# Output: with $OUT set, logs and JSON go there (8 files at most: gpu_check.log,
-# build.log, the regression record and its pytest log, bench.log and three bench JSON
+# Output: with $OUT set, logs and JSON go there (9 files at most: gpu_check.log,
+# build.log, the regression record and its pytest log, bench.log and four bench JSON
 # files); without it, to out/gpu_check/. Exit status: 0 when the build, the tests and the
 # benchmarks (no divergence) all passed; 1 otherwise; 2 when no GPU is visible.
 #
@@ -242,6 +244,12 @@ for name in sys.argv[2:]:
                   f"{str(r.get('host_syncs_per_step', '')):>5}")
         for k, val in case.get("ratios", {}).items():
             print(f"    {k:<28} {val:.3f}")
+    if isinstance(rec.get("results"), dict):  # bench_state_precision.py's record
+        for v, r in rec["results"].items():
+            sb = r.get("state_bytes_per_element")
+            print(f"    {v:<18} {r['median_ms']:>10.3f} ms {r['speedup_vs_torch_fused']:>6.2f}x "
+                  f"torch's fused step {r['model_gbs']:>8.1f} GB/s"
+                  + (f", state {sb:.3f} B/el" if sb else ""))
     for k, val in rec.get("summary", {}).items():
         if k not in ("at_elements", "goals_judged", "fastest_batches"):
             print(f"  summary {k:<26} {val:.3f}")
@@ -265,7 +273,11 @@ bench() {  # bench NAME ARGS...: one benchmark run, its JSON at bench_NAME.json
     echo "skipped: ${limit}s left"
     return
   fi
-  timeout "$limit" "$PYTHON" benchmarks/bench_adamw.py --device cuda \
+  # "states": the low-precision moments (benchmarks/bench_state_precision.py), whose JSON
+  # the summary does not tabulate: its table is in bench.log.
+  local script=benchmarks/bench_adamw.py
+  [ "$name" = states ] && script=benchmarks/bench_state_precision.py
+  timeout "$limit" "$PYTHON" "$script" --device cuda \
     --json "$RESULTS/bench_$name.json" "$@" 2>&1 | tee -a "$BENCH_LOG"
   local rc=${PIPESTATUS[0]}
   if [ "$rc" -eq 0 ]; then
@@ -278,6 +290,8 @@ bench() {  # bench NAME ARGS...: one benchmark run, its JSON at bench_NAME.json
 }
 bench fp32 --elements "$BENCH_ELEMENTS" --tensors 200 --iterations 10 --samples 7 --warmup 3 \
   --many-small
+bench states --elements "$BENCH_SMALL_ELEMENTS" --tensors 200 --iterations 10 --samples 5 \
+  --warmup 3 --variants ours_fp32,ours_bf16,ours_8bit,ours_4bit,torchao_4bit,stream_add
 bench scaler --elements "$BENCH_SMALL_ELEMENTS" --tensors 200 --iterations 10 --samples 5 \
   --warmup 3 --scaler --no-many-small --variants ours_fused,torch_fused,torch_pipeline,ours_pipeline
 bench bf16 --elements "$BENCH_SMALL_ELEMENTS" --tensors 200 --iterations 10 --samples 5 \
@@ -285,7 +299,7 @@ bench bf16 --elements "$BENCH_SMALL_ELEMENTS" --tensors 200 --iterations 10 --sa
 
 # ---------------------------------------------------------------------------- 5. summary
 section "summary"
-summarize fp32 scaler bf16
+summarize fp32 states scaler bf16
 echo
 echo "build:  $BUILD_STATUS"
 echo "tests:  $TEST_STATUS"

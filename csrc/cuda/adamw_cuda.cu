@@ -1039,7 +1039,7 @@ __device__ inline void step_block4(const AdamWLaunch& L, const StepCoefs<float>&
       if constexpr (kIs16Bit<P>) {
         bits[j] = in ? reinterpret_cast<const uint16_t*>(p)[j] : 0;
         if (REM) low[j] = in ? rem[j] : 0;
-        if (with_master) mv[j] = in ? master[j] : 0.0f;
+        if (with_master) mv[j] = in ? master[j] : 0.0f;  // static-check: 32-bit (edges)
       } else {
         pv[j] = in ? p[j] : 0.0f;  // static-check: 32-bit (edges)
       }
