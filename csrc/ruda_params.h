@@ -28,9 +28,10 @@ struct TensorEntry {
   int64_t state_offset;  // first element of its slice in the flat state buffers
   int64_t step_index;    // its step counter in the flat `steps` buffer
   int64_t unit_start;    // first unit (tile or statistics row) of this tensor
-  // With 8-bit moments, the length of the tensor's rows when they are not whole blocks
-  // (Note [8-bit row blocks] in csrc/quant8.h), and then its first scale in each moment's
-  // run of scales; 0 and unused otherwise.
+  // With 8-bit or 4-bit moments, the length of the tensor's rows when they are not whole
+  // blocks (Note [8-bit row blocks] in csrc/quant8.h, Note [4-bit row blocks] in
+  // csrc/quant4.h), and then its first scale in each moment's run of scales; 0 and unused
+  // otherwise.
   int64_t row;
   int64_t scale_offset;
 };

@@ -746,6 +746,9 @@ __device__ inline bool next_warp_tile(const AdamWLaunch& L, const StepDecision& 
 // The 8-bit step over a launch's tiles: the blocks the lanes access directly (kEdges
 // false: adamw8_kernel) or the others (kEdges true: adamw8_edge_kernel, staged), each in a
 // kernel of its own so that each has its own 64 registers (Note [8-bit CUDA registers]).
+// Its walk is written out here rather than through start_warp_walk / next_warp_tile (Note
+// [Warp tile walk]): through them, adamw8_edge_kernel<half, float, AMSGrad> spilled 4 bytes
+// at 64 registers (gpu_static's analyze.sh; why, ptxas does not say).
 template <typename P, typename G, bool AMSGRAD, bool kEdges, bool REM, typename Ch>
 __device__ inline void step_tiles8(const AdamWLaunch& L, const Ch& ch) {
   const StepDecision d = decide_step(L.control);
