@@ -330,11 +330,25 @@ RUDA_HOST_DEVICE inline uint32_t rounding_key(uint64_t seed, int64_t t) {
   return static_cast<uint32_t>((z ^ (z >> 31)) >> 32);
 }
 
+constexpr uint32_t kRoundingHigh = 0x85EBCA77u;
+
 // rounding_bits in two parts, for a range of elements that shares its indices' high 32
 // bits (one that does not cross a multiple of 2^32): the part of those bits and the key,
 // once, and the rest per element, the same bits.
 RUDA_HOST_DEVICE inline uint32_t rounding_high(uint32_t key, int64_t index) {
-  return static_cast<uint32_t>(static_cast<uint64_t>(index) >> 32) * 0x85EBCA77u ^ key;
+  return static_cast<uint32_t>(static_cast<uint64_t>(index) >> 32) * kRoundingHigh ^ key;
+}
+// rounding_high of an index of a range of fewer than 2^32 that may cross a multiple of 2^32,
+// from its first index's (`high`, and `low` its low 32 bits): `at` its low 32 bits, past
+// the crossing where it is below `low`, there the next high word. `key()` gives the key,
+// asked only then (the CUDA edge kernels read it from shared memory: Note [8-bit CUDA
+// registers]).
+template <typename Key>
+RUDA_HOST_DEVICE inline uint32_t rounding_high_at(uint32_t high, uint32_t low, uint32_t at,
+                                                  const Key& key) {
+  if (at >= low) return high;
+  const uint32_t k = key();
+  return ((high ^ k) + kRoundingHigh) ^ k;  // (h + 1) * kRoundingHigh ^ key from h * ...
 }
 
 RUDA_HOST_DEVICE inline uint32_t rounding_mix(uint32_t high, uint32_t low) {

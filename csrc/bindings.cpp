@@ -376,6 +376,7 @@ AdamWLaunch prepare_launch(const char* op, size_t n, const at::Device& device,
   AdamWLaunch L;
   L.table = nullptr;  // placed by the backend
   L.edges = false;    // set with the table (edges_of)
+  L.rows = false;     // set with the table (rows_of)
   L.n_tensors = static_cast<int64_t>(n);
   L.n_units = 0;  // set with the table
   L.param_dtype = dtype_of(pdtype);
@@ -450,6 +451,18 @@ bool edges_of(const AdamWLaunch& L, const std::vector<TensorEntry>& entries) {
          misaligned(static_cast<uint8_t*>(L.max_exp_avg_sq) + code, code_bytes))) {
       return true;
     }
+  }
+  return false;
+}
+
+// 8-bit or 4-bit moments: whether a tensor has rows that are not whole blocks but hold one
+// (AdamWLaunch::rows).
+bool rows_of(const AdamWLaunch& L, const std::vector<TensorEntry>& entries) {
+  const bool four = L.state_dtype == DType::kNibble;
+  if (L.state_dtype != DType::kUInt8 && !four) return false;
+  const int64_t block = four ? kBlock4 : kBlock8;
+  for (const TensorEntry& e : entries) {
+    if (e.numel != 0 && e.row > block) return true;
   }
   return false;
 }
@@ -620,6 +633,7 @@ AdamWLaunch prepare_flat_step(const FlatBucket& fb, bool amsgrad,
   check_units("adamw_scaled_", units, fb.active.size());
   L.n_units = units;
   L.edges = edges_of(L, fb.active);
+  L.rows = rows_of(L, fb.active);
   return L;
 }
 
@@ -766,6 +780,7 @@ PreparedAdamW prepare_adamw(
   check_units(op, units, n);
   prep.launch.n_units = units;
   prep.launch.edges = edges_of(prep.launch, prep.table);
+  prep.launch.rows = rows_of(prep.launch, prep.table);
   return prep;
 }
 

@@ -117,6 +117,10 @@ struct AdamWLaunch {
   // launch of their own (Note [8-bit CUDA registers], Note [4-bit CUDA step] in
   // csrc/cuda/adamw_cuda.cu); set by the binding with the table.
   bool edges;
+  // 8-bit or 4-bit moments: whether a tensor has rows that are not whole blocks, of more
+  // than a block each, whose whole blocks the CUDA kernels step in a launch of their own
+  // (Pass8 in csrc/cuda/adamw_cuda.cu); set by the binding with the table.
+  bool rows;
   float* steps;
   Rounding rounding;        // 16-bit parameters without master weights
   Rounding state_rounding;  // BF16 moments

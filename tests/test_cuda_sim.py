@@ -36,10 +36,12 @@ COVERED = {
     "merge_kernel": "test_merge_matches_cpu",
     "merge_chunks_kernel": "test_merge_chunks_matches_cpu",
     "adamw8_kernel": "test_update_8bit_matches_cpu",
+    "adamw8_rows_kernel": "test_update_8bit_in_rows_matches_cpu",
     "adamw8_edge_kernel": "test_update_8bit_matches_cpu",
     "quantize8_kernel": "test_quantize_8bit_matches_cpu",
     "dequantize8_kernel": "test_quantize_8bit_matches_cpu",
     "adamw4_kernel": "test_update_4bit_matches_cpu",
+    "adamw4_rows_kernel": "test_update_4bit_matches_cpu",
     "adamw4_edge_kernel": "test_update_4bit_matches_cpu",
     "quantize4_kernel": "test_quantize_4bit_matches_cpu",
     "dequantize4_kernel": "test_quantize_4bit_matches_cpu",
@@ -457,6 +459,124 @@ def test_update_4bit_matches_cpu(sim, schedule, pdtype, amsgrad, master, roundin
     _compare(cpu, emu, f"4-bit {pdtype}")
     assert not torch.equal(cpu["exp_avg"], state["exp_avg"])  # the step wrote codes
     assert not torch.equal(cpu["scales"], state["scales"])
+
+
+@pytest.mark.parametrize("first", [5, 2**32 - 7, 2**33 - 256, 2**40 + 2**32 - 1])
+def test_edge_rounding_bits_across_a_multiple_of_2_32(sim, first):
+    """The 8-bit edge kernels draw a block's random bits from its first index's high word
+    (a block of rows that are not whole blocks may start anywhere): past a multiple of 2^32
+    inside the block, the next one (rounding_high_at in csrc/adamw_math.h), the bits of
+    rounding_bits(key, index) for every index, as the CPU draws them."""
+    import numpy as np
+    from test_state_precision import rounding_bits
+
+    key = 0xC0FFEE11
+    got = sim.rounding_bits_from(key, first, 300)
+    want = rounding_bits(key, np.arange(first, first + 300, dtype=np.uint64))
+    assert torch.equal(got, torch.from_numpy(want.astype(np.int64)))
+
+
+def _rows_direct_mask(state, shapes, block, bits, p, g):
+    """Which elements of each tensor of rows that are not whole blocks the direct kernel of
+    a low-bit format steps (Note [8-bit row blocks] in csrc/quant8.h, Note [4-bit row
+    blocks] in csrc/quant4.h): those of its whole blocks whose accesses are aligned for the
+    lanes (8-bit: 16 bytes of elements, masters and remainders, 8 of codes; 4-bit: 4
+    elements of each, the codes from a nibble that is a multiple of 4), and (8-bit) whose
+    state indices keep their high 32 bits. Computed here from the data pointers, apart from
+    the kernels' own predicate. {tensor index: bool mask over its elements}."""
+    masks = {}
+    for i, (off, _idx, row, _scale) in enumerate(state["slots"].tolist()):
+        if row == 0:
+            continue
+        numel = math.prod(shapes[i])
+        mask = torch.zeros(numel, dtype=torch.bool)
+        for r in range(numel // row):
+            for col in range(0, row - block + 1, block):  # the row's whole blocks
+                first = r * row + col
+                sk = off + first
+                unit = r * (row + row % 2) + col if bits == 4 else first  # code (nibble) index
+                ok = all(
+                    (t.data_ptr() + first * t.element_size())
+                    % (16 if bits == 8 else 4 * t.element_size())
+                    == 0
+                    for t in (p[i], g[i])
+                )
+                buf = state.get("master")
+                if buf is not None:
+                    width = 16 if bits == 8 else 4 * buf.element_size()
+                    ok = ok and (buf.data_ptr() + sk * buf.element_size()) % width == 0
+                for key in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq"):
+                    if state.get(key) is not None:
+                        if bits == 8:
+                            ok = ok and (state[key].data_ptr() + off + unit) % 8 == 0
+                        else:
+                            nibble = off + unit
+                            ok = (
+                                ok
+                                and nibble % 4 == 0
+                                and (state[key].data_ptr() + nibble // 2) % 2 == 0
+                            )
+                if bits == 8:
+                    ok = ok and sk % 2**32 <= 2**32 - block
+                mask[first : first + block] = ok
+        masks[i] = mask
+    return masks
+
+
+@pytest.mark.parametrize("views", ["aligned", "unaligned"])
+@pytest.mark.parametrize("bits", [8, 4], ids=["8bit", "4bit"])
+@pytest.mark.parametrize(
+    "pdtype,amsgrad,master,rounding",
+    [(torch.float32, True, False, 0), (torch.bfloat16, False, False, 1),
+     (torch.float16, True, True, 0), (torch.bfloat16, True, "remainder", 0)],
+    ids=["fp32-amsgrad", "bf16-stochastic", "fp16-amsgrad-master", "bf16-remainder"],
+)  # fmt: skip
+def test_rows_whole_blocks_take_the_direct_kernel(sim, schedule, pdtype, amsgrad, master,
+                                                  rounding, bits, views):  # fmt: skip
+    """Where rows are not whole blocks, their whole, aligned blocks are stepped with the
+    lanes' wide accesses (the rows kernels, Pass8 in csrc/cuda/adamw_cuda.cu), not element
+    by element by the edge kernels (issue 46):
+    with the edge kernels not launched, exactly those blocks' parameters (and masters)
+    hold the CPU kernel's new bits, and every other element of such a tensor its old
+    ones."""
+    if bits == 8:
+        from test_quant8 import ROW_SHAPES, _row_bucket
+
+        shapes = ROW_SHAPES
+        params, grads, state, _ = _row_bucket(shapes, amsgrad, pdtype, seed=31,
+                                              master=bool(master))  # fmt: skip
+        state = dict(state, params=params, grads=grads)
+    else:
+        shapes = [(n,) for n in SIZES_4BIT] + ROWS_4BIT
+        state = _bucket_4bit(amsgrad, pdtype, seed=31, master=bool(master))
+        state["params"] = [p.flatten() for p in state["params"]]
+        state["grads"] = [g.flatten() for g in state["grads"]]
+    if master == "remainder":
+        state = _with_remainders(state)
+    if views == "unaligned":  # odd element offsets: no whole block aligned in these tensors
+        state["params"] = [
+            torch.empty(p.numel() + 1, dtype=p.dtype)[1:].copy_(p) if i % 2 else p
+            for i, p in enumerate(state["params"])
+        ]
+    sim.set_edge_kernels(False)
+    try:
+        cpu, emu = _run_both(sim, state, rounding=rounding, seed=37)
+    finally:
+        sim.set_edge_kernels(True)
+    masks = _rows_direct_mask(emu, shapes, 256 if bits == 8 else 128, bits, emu["params"],
+                              emu["grads"])  # fmt: skip
+    direct = sum(int(m.sum()) for m in masks.values())
+    assert direct > 0 and sum(int((~m).sum()) for m in masks.values()) > 0
+    for i, mask in masks.items():
+        new, old, want = _bits(emu["params"][i]), _bits(state["params"][i]), _bits(cpu["params"][i])
+        assert torch.equal(new[mask], want[mask]), f"{bits}-bit rows: tensor {i}'s direct blocks"
+        assert torch.equal(new[~mask], old[~mask]), f"{bits}-bit rows: tensor {i}'s edge blocks"
+        assert not mask.any() or not torch.equal(want[mask], old[mask])  # the step moved them
+        if emu.get("master") is not None:
+            off = int(state["slots"][i, 0])
+            at = torch.arange(off, off + mask.numel())
+            assert torch.equal(_bits(emu["master"][at[mask]]), _bits(cpu["master"][at[mask]]))
+            assert torch.equal(_bits(emu["master"][at[~mask]]), _bits(state["master"][at[~mask]]))
 
 
 @pytest.mark.parametrize("control", ["found_inf", "stats-skip", "stats-clip", "lr-tensor",

@@ -906,10 +906,11 @@ def test_adamw_8bit_cuda_matches_cpu_bitwise(amsgrad, param_dtype, master):
 )  # fmt: skip
 def test_8bit_optimizer_cuda_matches_cpu_bitwise(dtype, kw):
     """state_precision="8bit" through the optimizer (buckets with the scales apart, an
-    FP32 bucket for the small parameters, a transposed parameter): parameters, codes,
-    scales and FP32 moments of CUDA steps equal the CPU's."""
+    FP32 bucket for the small parameters, a transposed parameter, rows that are not whole
+    blocks: of 33, and of 300 and 1000 whose whole blocks the rows kernel steps):
+    parameters, codes, scales and FP32 moments of CUDA steps equal the CPU's."""
     gen = torch.Generator().manual_seed(4)
-    shapes = [(300, 33), (300,), (20, 300), (70, 80)]
+    shapes = [(300, 33), (300,), (20, 300), (70, 80), (16, 1000)]
     base = [torch.randn(s, generator=gen).to(dtype) for s in shapes]
     grads = [[torch.randn(s, generator=gen).to(dtype) for s in shapes] for _ in range(3)]
     runs, states = [], []
@@ -979,12 +980,12 @@ def test_quantize_4bit_every_class_of_value_cuda_matches_cpu(code):
 @pytest.mark.parametrize("flat_grads", [False, True], ids=["grads", "flat-grads"])
 def test_4bit_optimizer_cuda_matches_cpu_bitwise(dtype, kw, flat_grads):
     """state_precision="4bit" through the optimizer on CUDA (Note [4-bit CUDA step]): rows of
-    whole blocks, rows that are not (130: whole blocks in the direct kernel, the rest in the
-    edge kernel), an odd last dimension (8-bit), a small bias (FP32) and a transposed
+    whole blocks, rows that are not (130 and 1000: whole blocks in the rows kernel, the rest
+    in the edge kernel), an odd last dimension (8-bit), a small bias (FP32) and a transposed
     parameter; parameters, codes, scales, masters and counters equal the CPU's after every
     step."""
     gen = torch.Generator().manual_seed(6)
-    shapes = [(300, 36), (20, 130), (33, 129), (300,), (256, 64), (70, 80)]
+    shapes = [(300, 36), (20, 130), (33, 129), (300,), (256, 64), (70, 80), (16, 1000)]
     base = [torch.randn(s, generator=gen).to(dtype) for s in shapes]
     grads = [[torch.randn(s, generator=gen).to(dtype) for s in shapes] for _ in range(3)]
     runs, states = [], []

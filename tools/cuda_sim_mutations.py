@@ -50,6 +50,15 @@ def _replace(old: str, new: str):
     return apply
 
 
+def _replace_each(*pairs: tuple[str, str]):
+    def apply(text: str) -> str:
+        for old, new in pairs:
+            text = _replace(old, new)(text)
+        return text
+
+    return apply
+
+
 # (name, file, mutation, pytest -k expression, the sanitizer that must catch it or None)
 MUTATIONS = [
     ("syncthreads #1 (after the lanes' stores)", "grad_stats_cuda.cu", _syncthreads(0),
@@ -82,8 +91,8 @@ MUTATIONS = [
      _replace("return __reduce_max_sync(0xffffffffu, bits);", "return bits;"),
      "update_8bit_matches_cpu and forward and fp32-amsgrad", None),
     ("8-bit step reads the scale of the tile's first block", "adamw_cuda.cu",
-     _replace("static_cast<int64_t>(static_cast<uint64_t>(sk) / kBlock8);",
-              "static_cast<int64_t>(static_cast<uint64_t>(sk - kb) / kBlock8);"),
+     _replace("int64_t scale = static_cast<int64_t>(static_cast<uint64_t>(state) / kBlock8);",
+              "int64_t scale = static_cast<int64_t>(static_cast<uint64_t>(state - kb) / kBlock8);"),
      "update_8bit_matches_cpu and forward and fp32-amsgrad and aligned", None),
     ("8-bit 16-bit values: a pair set into the quarter's other word", "cuda_utils.cuh",
      _replace("    w[h & 1] = bits;", "    w[(h + 1) & 1] = bits;"),
@@ -110,12 +119,27 @@ MUTATIONS = [
               "  if (false) {\n    for (int j = 0; j < kPerLane8; ++j) x[j] ="),
      "update_8bit_overflow_matches_cpu and forward and fp32-amsgrad and aligned", None),
     ("4-bit direct kernel: no block stepped directly", "adamw_cuda.cu",
-     _replace("if (direct == kEdges) continue;", "if (!kEdges || direct) continue;"),
+     _replace("kb < whole; kb += kWarps8 * kBlock) {\n        step_block4<",
+              "kb < 0; kb += kWarps8 * kBlock) {\n        step_block4<"),
      "update_4bit_matches_cpu and forward and fp32 and aligned and not amsgrad", None),
     ("4-bit direct kernel: the rows' whole blocks left to no kernel", "adamw_cuda.cu",
-     _replace(": block4_direct<P, G, AMSGRAD, REM>(L, tile, b, has_master);",
-              ": kEdges && block4_direct<P, G, AMSGRAD, REM>(L, tile, b, has_master);"),
+     _replace("if (direct != (kPass == Pass8::kRows)) continue;",
+              "if (direct || kPass != Pass8::kEdges) continue;"),
      "update_4bit_matches_cpu and forward and fp32 and aligned and not amsgrad", None),
+    ("4-bit rows: their whole blocks left to the edge kernel", "adamw_cuda.cu",
+     _replace("vt.row != 0 && block4_direct<P, G, AMSGRAD, REM>(L, tile, b, has_master);",
+              "false;"),
+     "rows_whole_blocks_take_the_direct_kernel and 4bit and fp32", None),
+    ("8-bit rows: their whole blocks left to the edge kernel", "adamw_cuda.cu",
+     _replace_each(
+         ("if (vt.row != 0 && row_block8_direct<P, G, AMSGRAD, REM>(L, b, has_master)) continue;",
+          "if (false) continue;"),
+         ("if (!row_block8_direct<P, G, AMSGRAD, REM>(L, b, has_master)) continue;",
+          "if (true) continue;")),
+     "rows_whole_blocks_take_the_direct_kernel and 8bit and fp32", None),
+    ("8-bit rows: a row's shorter last block stepped as a whole one", "adamw_cuda.cu",
+     _replace("  return b.n == static_cast<int32_t>(kBlock8) &&\n", "  return b.n > 0 &&\n"),
+     "update_8bit_in_rows_matches_cpu and forward and fp32 and aligned", None),
     ("4-bit blocks of rows: the scale of the row's first block", "adamw_cuda.cu",
      _replace("return {blk.first, off + blk.first, blk.nibble, scale_index4(e, kc),",
               "return {blk.first, off + blk.first, blk.nibble, scale_index4(e, kc - kc % "
@@ -142,7 +166,7 @@ MUTATIONS = [
      _replace("r = __vmaxu2(r, nonzero);", "r = __vmaxu2(r, 0u * nonzero);"),
      "quantize_4bit_every_class_of_value_matches_cpu", None),
     ("4-bit stochastic rounding: a pair rounded with its first element's bits", "adamw_cuda.cu",
-     _replace("rounding_bits(key, at + 1));", "rounding_bits(key, at));"),
+     _replace("rounding_bits(key(), at + 1));", "rounding_bits(key(), at));"),
      "update_4bit_matches_cpu and forward and stochastic and aligned", None),
 ]  # fmt: skip
 

@@ -504,12 +504,38 @@ __device__ inline Tile8<P, G> tile8(const AdamWLaunch& L, const UnitTile& tile, 
           n};
 }
 
+// Whether the lanes access the block `b` of a tile directly (Note [8-bit CUDA lanes]): its
+// elements 16-byte aligned (8 per lane, a quarter at a time), its masters and remainders
+// likewise, its codes 8-byte aligned. Every block of a flat tile shares the alignment of its
+// first (each starts kBlock8 elements and codes after the last); a block of rows that are
+// not whole blocks (Note [8-bit row blocks]) is asked on its own, and must also be whole and
+// keep its state indices' high 32 bits (the parameters' random bits, step_block8).
+template <typename P, typename G, bool AMSGRAD, bool REM>
+__device__ inline bool block8_aligned(const AdamWLaunch& L, const Tile8<P, G>& b, bool has_master) {
+  bool direct = is_aligned<16 / sizeof(P)>(b.p) && is_aligned<16 / sizeof(G)>(b.g) &&
+                (!has_master || is_aligned<4>(b.master)) &&
+                (!REM || is_aligned<8>(L.remainder + b.state));
+  for (int q = 0; q < (AMSGRAD ? 3 : 2); ++q) {
+    direct = direct && is_aligned<8>(codes8(L, q, b.state));
+  }
+  return direct;
+}
+
+template <typename P, typename G, bool AMSGRAD, bool REM>
+__device__ inline bool row_block8_direct(const AdamWLaunch& L, const Tile8<P, G>& b,
+                                         bool has_master) {
+  return b.n == static_cast<int32_t>(kBlock8) &&
+         static_cast<uint32_t>(b.state) <= ~static_cast<uint32_t>(kBlock8 - 1) &&
+         block8_aligned<P, G, AMSGRAD, REM>(L, b, has_master);
+}
+
 // One block stepped by a warp: `p`, `g` and `master` (null without) at the block's first
 // element, `sk` its first element's state index (codes, remainders, random bits), `sb` its
-// scale (kEdge; sk / kBlock8 otherwise), `n` its elements (kBlock8 unless kEdge). kEdge: the
-// block's n elements read and written one by one (a tensor's shorter last block, a view
-// that is not 16-byte aligned: Note [8-bit CUDA registers]).
-template <typename P, typename G, bool AMSGRAD, bool kEdge, bool REM, typename Ch>
+// scale, `n` its elements (kBlock8 unless kEdge). kEdge: the block's n elements read and
+// written one by one (a tensor's shorter last block, a view that is not 16-byte aligned:
+// Note [8-bit CUDA registers]).
+template <typename P, typename G, bool AMSGRAD, bool kEdge, bool REM, bool kRows = kEdge,
+          typename Ch>
 __device__ inline void step_block8(const AdamWLaunch& L, const StepCoefs<float>& coefs, P* p,
                                    const G* g, float* master, int64_t sk, int64_t sb, int n,
                                    Park8& park, const TileWalk<float>& w, const UnitTile& tile,
@@ -521,16 +547,17 @@ __device__ inline void step_block8(const AdamWLaunch& L, const StepCoefs<float>&
   c.l2_on = ch.l2;  // the direct kernels' constant: their element loop tests none of these
   // Remainder masters (REM, Note [Remainder master]): BF16 parameters, 16-bit like them.
   P* rem = REM ? reinterpret_cast<P*>(L.remainder + sk) : nullptr;
-  // (State indices are never negative: an unsigned shift, where the signed division took 6.)
-  const int64_t b = kEdge ? sb : static_cast<int64_t>(static_cast<uint64_t>(sk) / kBlock8);
+  const int64_t b = sb;
   // Read before lane 0 writes the new scales: each value feeds the warp's reduction below.
   float sc[3];
   sc[0] = L.exp_avg_scales[b];                          // static-check: 32-bit (a block's scale)
   sc[1] = L.exp_avg_sq_scales[b];                       // static-check: 32-bit (a block's scale)
   sc[2] = AMSGRAD ? L.max_exp_avg_sq_scales[b] : 0.0f;  // static-check: 32-bit (a block's scale)
   const int k = 8 * lane;                               // the lane's first element of the block
-  // The parameters' random bits (stochastic rounding): a block of kBlock8 from a multiple of
-  // kBlock8 shares its indices' high 32 bits.
+  // The parameters' random bits (stochastic rounding) from the high 32 bits of the block's
+  // first index: a direct block's indices share them (from a multiple of kBlock8, or asked:
+  // row_block8_direct); an edge block of rows may start anywhere, and its indices past a
+  // multiple of 2^32 take the next ones (rounding_high_at).
   const uint32_t high =
       ch.stochastic ? rounding_high(static_cast<const volatile TileWalk<float>&>(w).key, sk) : 0u;
   const uint32_t low = static_cast<uint32_t>(sk);
@@ -614,8 +641,14 @@ __device__ inline void step_block8(const AdamWLaunch& L, const StepCoefs<float>&
         }
         if (!kIsHalf<P> && ch.stochastic) {
           const uint32_t at = low + static_cast<uint32_t>(k + 2 * h);
-          pq.set_pair(h, round_pair_stochastic_bf16(pk[0], pk[1], rounding_mix(high, at),
-                                                    rounding_mix(high, at + 1u)));
+          uint32_t high0 = high, high1 = high;
+          if constexpr (kEdge) {
+            const auto key = [&] { return static_cast<const volatile TileWalk<float>&>(w).key; };
+            high0 = rounding_high_at(high, low, at, key);
+            high1 = rounding_high_at(high, low, at + 1u, key);
+          }
+          pq.set_pair(h, round_pair_stochastic_bf16(pk[0], pk[1], rounding_mix(high0, at),
+                                                    rounding_mix(high1, at + 1u)));
         } else {
           pq.set_pair(h, round_pair_nearest16<kIsHalf<P>>(pk[0], pk[1]));
         }
@@ -671,11 +704,12 @@ __device__ inline void step_block8(const AdamWLaunch& L, const StepCoefs<float>&
     oc[q] =
         q == 0 ? encode_lane8<Code8::kSigned>(x, sc[q]) : encode_lane8<Code8::kUnsigned>(x, sc[q]);
   }
-  // The edge kernel reads the block's state index again (Note [8-bit CUDA registers]); the
-  // direct one keeps it (its registers allow, and rereading it cost 20 SASS per block).
+  // The edge and rows kernels read the block's state index and scale again (Note [8-bit
+  // CUDA registers]); the direct one keeps them (its registers allow, and rereading them
+  // cost 20 SASS per block).
   int64_t sk_out = sk, b_out = b;
-  if constexpr (kEdge) {
-    const Tile8<P, G> out = tile8<P, G, kEdge>(L, tile, false, kb);
+  if constexpr (kRows) {
+    const Tile8<P, G> out = tile8<P, G, true>(L, tile, false, kb);
     sk_out = out.state;
     b_out = out.scale;
   }
@@ -743,13 +777,20 @@ __device__ inline bool next_warp_tile(const AdamWLaunch& L, const StepDecision& 
   return true;
 }
 
-// The 8-bit step over a launch's tiles: the blocks the lanes access directly (kEdges
-// false: adamw8_kernel) or the others (kEdges true: adamw8_edge_kernel, staged), each in a
-// kernel of its own so that each has its own 64 registers (Note [8-bit CUDA registers]).
+// The passes of an 8-bit step, each a kernel of its own so that each has its own 64
+// registers (Note [8-bit CUDA registers]), over disjoint blocks: the whole blocks of flat
+// tiles whose accesses are aligned for the lanes (kDirect: adamw8_kernel); the whole,
+// aligned blocks inside rows that are not whole blocks (kRows: adamw8_rows_kernel, launched
+// where a tensor has such rows: AdamWLaunch::rows), which in the direct kernel cost each
+// flat block a branch and the bf16 variants 4% more instructions; the others, element by
+// element (kEdges: adamw8_edge_kernel).
+enum class Pass8 { kDirect, kRows, kEdges };
+
+// The 8-bit step over a launch's tiles, one pass (Pass8).
 // Its walk is written out here rather than through start_warp_walk / next_warp_tile (Note
 // [Warp tile walk]): through them, adamw8_edge_kernel<half, float, AMSGrad> spilled 4 bytes
 // at 64 registers (gpu_static's analyze.sh; why, ptxas does not say).
-template <typename P, typename G, bool AMSGRAD, bool kEdges, bool REM, typename Ch>
+template <typename P, typename G, bool AMSGRAD, Pass8 kPass, bool REM, typename Ch>
 __device__ inline void step_tiles8(const AdamWLaunch& L, const Ch& ch) {
   const StepDecision d = decide_step(L.control);
   if (d.skip) return;  // parameters, moments and step counters stay bit-identical
@@ -800,31 +841,33 @@ __device__ inline void step_tiles8(const AdamWLaunch& L, const Ch& ch) {
     const int32_t count = tile.count;
     // 128-bit accesses of elements (16 bytes) and 64-bit accesses of codes: the blocks start
     // at multiples of kBlock8 from these.
-    bool direct;
-    {
-      const Tile8<P, G> b = tile8<P, G>(L, tile, has_master, 0);
-      direct = tile.row == 0 && is_aligned<16 / sizeof(P)>(b.p) &&
-               is_aligned<16 / sizeof(G)>(b.g) && (!has_master || is_aligned<4>(b.master)) &&
-               (!REM || is_aligned<8>(L.remainder + b.state));
-      for (int q = 0; q < (AMSGRAD ? 3 : 2); ++q) {
-        direct = direct && is_aligned<8>(codes8(L, q, b.state));
-      }
-    }
+    // A flat tile's whole blocks are aligned as its first (block8_aligned).
+    const bool direct = tile.row == 0 && block8_aligned<P, G, AMSGRAD, REM>(
+                                             L, tile8<P, G>(L, tile, has_master, 0), has_master);
     constexpr int32_t kBlock = static_cast<int32_t>(kBlock8);
     const int32_t whole = direct ? count / kBlock * kBlock : 0;  // the blocks stepped directly
-    if constexpr (kEdges) {
-      // The tile's count read for each block (Note [8-bit CUDA registers]).
-      const volatile UnitTile& vt = tile;
+    // The tile's count and row read for each block (Note [8-bit CUDA registers]).
+    const volatile UnitTile& vt = tile;
+    if constexpr (kPass == Pass8::kEdges) {
       for (int32_t kb = whole + warp * kBlock; kb < vt.count; kb += kWarps8 * kBlock) {
         const Tile8<P, G> b = tile8<P, G, true>(L, tile, has_master, kb);
+        if (vt.row != 0 && row_block8_direct<P, G, AMSGRAD, REM>(L, b, has_master)) continue;
         step_block8<P, G, AMSGRAD, true, REM>(L, c, b.p, b.g, b.master, b.state, b.scale, b.n, park,
                                               w, tile, kb, ch);
+      }
+    } else if constexpr (kPass == Pass8::kRows) {
+      if (vt.row == 0) continue;  // a flat tile: the other kernels'
+      for (int32_t kb = warp * kBlock; kb < vt.count; kb += kWarps8 * kBlock) {
+        const Tile8<P, G> b = tile8<P, G, true>(L, tile, has_master, kb);
+        if (!row_block8_direct<P, G, AMSGRAD, REM>(L, b, has_master)) continue;
+        step_block8<P, G, AMSGRAD, false, REM, true>(L, c, b.p, b.g, b.master, b.state, b.scale,
+                                                     kBlock, park, w, tile, kb, ch);
       }
     } else {
       for (int32_t kb = warp * kBlock; kb < whole; kb += kWarps8 * kBlock) {
         const Tile8<P, G> b = tile8<P, G>(L, tile, has_master, kb);
-        step_block8<P, G, AMSGRAD, false, REM>(L, c, b.p, b.g, b.master, b.state, 0, kBlock, park,
-                                               w, tile, kb, ch);
+        step_block8<P, G, AMSGRAD, false, REM>(L, c, b.p, b.g, b.master, b.state, b.scale, kBlock,
+                                               park, w, tile, kb, ch);
       }
     }
   }
@@ -844,6 +887,16 @@ struct Choice8Of {
   bool master, stochastic, l2;
 };
 
+// The rows kernels' choices (Pass8::kRows): master weights and stochastic rounding as
+// template arguments (with both read from the launch, the 16-bit AMSGrad kernels spilled at
+// 64 registers), Adam's L2 term from the launch (its test is a select per element, in a
+// kernel that steps few blocks).
+template <bool kMaster, bool kStochastic>
+struct ChoiceRows {
+  static constexpr bool master = kMaster, stochastic = kStochastic;
+  bool l2;
+};
+
 __host__ __device__ inline Choice8Of choice8_of(const AdamWLaunch& L) {
   return {L.master != nullptr, L.rounding == Rounding::kStochastic,
           L.hyper.l2 && L.hyper.weight_decay != 0.0};
@@ -851,12 +904,18 @@ __host__ __device__ inline Choice8Of choice8_of(const AdamWLaunch& L) {
 
 template <typename P, typename G, bool AMSGRAD, bool REM, bool kMaster, bool kStochastic, bool kL2>
 __global__ void __launch_bounds__(kThreads8, kBlocksPerSm8) adamw8_kernel(AdamWLaunch L) {
-  step_tiles8<P, G, AMSGRAD, false, REM>(L, Choice8<kMaster, kStochastic, kL2>{});
+  step_tiles8<P, G, AMSGRAD, Pass8::kDirect, REM>(L, Choice8<kMaster, kStochastic, kL2>{});
+}
+
+template <typename P, typename G, bool AMSGRAD, bool REM, bool kMaster, bool kStochastic>
+__global__ void __launch_bounds__(kThreads8, kBlocksPerSm8) adamw8_rows_kernel(AdamWLaunch L) {
+  step_tiles8<P, G, AMSGRAD, Pass8::kRows, REM>(L,
+                                                ChoiceRows<kMaster, kStochastic>{choice8_of(L).l2});
 }
 
 template <typename P, typename G, bool AMSGRAD, bool REM>
 __global__ void __launch_bounds__(kThreads8, kBlocksPerSm8) adamw8_edge_kernel(AdamWLaunch L) {
-  step_tiles8<P, G, AMSGRAD, true, REM>(L, choice8_of(L));
+  step_tiles8<P, G, AMSGRAD, Pass8::kEdges, REM>(L, choice8_of(L));
 }
 
 template <typename Kernel>
@@ -871,6 +930,10 @@ struct Kernels8 {
   template <typename P, typename G, bool AMSGRAD, bool REM, bool kM, bool kS, bool kL2>
   static auto direct() {
     return adamw8_kernel<P, G, AMSGRAD, REM, kM, kS, kL2>;
+  }
+  template <typename P, typename G, bool AMSGRAD, bool REM, bool kM, bool kS>
+  static auto rows() {
+    return adamw8_rows_kernel<P, G, AMSGRAD, REM, kM, kS>;
   }
   template <typename P, typename G, bool AMSGRAD, bool REM>
   static auto edge() {
@@ -888,6 +951,7 @@ void launch_direct(const AdamWLaunch& L, cudaStream_t stream) {
   const Choice8Of ch = choice8_of(L);
   const auto pick = [&](auto master, auto stochastic) {
     constexpr bool kM = decltype(master)::value, kS = decltype(stochastic)::value;
+    if (L.rows) launch_tiles8(K::template rows<P, G, AMSGRAD, REM, kM, kS>(), L, stream);
     if (ch.l2) {
       return launch_tiles8(K::template direct<P, G, AMSGRAD, REM, kM, kS, true>(), L, stream);
     }
@@ -923,23 +987,26 @@ void launch_low_bit(const AdamWLaunch& L, cudaStream_t stream) {
 // shorter than kBlock4 (a tensor's last, or a row's last where rows are not whole blocks),
 // or one whose elements, masters, remainders or codes are not aligned for the lanes' wide
 // accesses. The whole, aligned blocks of rows that are not whole blocks (Note [4-bit row
-// blocks]) take the direct kernel: both kernels ask block4_direct() of every block of such
-// a tile, and of a flat tile once.
+// blocks]) take the lanes' wide accesses in a third kernel (adamw4_rows_kernel, Pass8): the
+// rows and edge kernels ask block4_direct() of every block of such a tile, and all three
+// of a flat tile's first block once. In the direct kernel, the rows' mapping cost every
+// block 5 to 7 SASS per element (analyze.sh).
 
 // The block at index kb of a tile: its first element in the tensor, that element's state
 // index (masters, remainders, random bits), its first code's nibble, its scale in each
 // moment's run, its elements. A tile of rows that are not whole blocks maps kb by its row
-// (block4_at).
+// (block4_at); kRows false: the caller knows the tile is flat.
 struct Block4At {
   int64_t first, state, nibble, scale;
   int32_t n;
 };
 
+template <bool kRows = true>
 __device__ inline Block4At block4_in(const UnitTile& tile, int32_t kb) {
   const volatile UnitTile& vt = tile;
   const int64_t off = vt.state0 - vt.first;  // the tensor's state offset
   const int64_t kc = vt.first + kb;          // the block's index in the tensor's walk
-  if (vt.row == 0) {
+  if (!kRows || vt.row == 0) {
     const int64_t state = off + kc;  // never negative: an unsigned shift
     return {kc, state, state, static_cast<int64_t>(static_cast<uint64_t>(state) / kBlock4),
             min(static_cast<int32_t>(kBlock4), vt.count - kb)};
@@ -982,8 +1049,13 @@ __device__ inline bool block4_direct(const AdamWLaunch& L, const UnitTile& tile,
 template <typename P, typename G, bool AMSGRAD, bool kEdge, bool REM, typename Ch>
 __device__ inline void step_block4(const AdamWLaunch& L, const StepCoefs<float>& coefs,
                                    const Book4& book, const UnitTile& tile, const Block4At& b,
-                                   uint32_t key, const Ch& ch) {
+                                   const TileWalk<float>& walk, const Ch& ch) {
   constexpr int kMoments = AMSGRAD ? 3 : 2;
+  // The key of the parameters' random bits (stochastic rounding): read once per block by the
+  // direct kernels, where each use by the edge kernel (no register held for it).
+  const volatile uint32_t& walk_key = static_cast<const volatile TileWalk<float>&>(walk).key;
+  const uint32_t block_key = !kEdge && ch.stochastic ? walk_key : 0u;
+  const auto key = [&] { return kEdge ? walk_key : block_key; };
   const int lane = static_cast<int>(threadIdx.x % 32);
   const int k = kPerLane4 * lane;  // the lane's first element of the block
   const int n = b.n;
@@ -1017,9 +1089,9 @@ __device__ inline void step_block4(const AdamWLaunch& L, const StepCoefs<float>&
     }
   }
   float m[kPerLane4], v[kPerLane4], vm[kPerLane4];
-  decode_lane4<Code4::kSigned>(cw[0], sc[0], book, m);
-  decode_lane4<Code4::kUnsigned>(cw[1], sc[1], book, v);
-  if (AMSGRAD) decode_lane4<Code4::kUnsigned>(cw[2], sc[2], book, vm);
+  decode_lane4<Code4::kSigned, !kEdge>(cw[0], sc[0], book, m);
+  decode_lane4<Code4::kUnsigned, !kEdge>(cw[1], sc[1], book, v);
+  if (AMSGRAD) decode_lane4<Code4::kUnsigned, !kEdge>(cw[2], sc[2], book, vm);
   // The lane's parameters (16-bit: their bits), gradients, masters or remainders: loaded
   // with one access each (direct), or element by element inside the loop below (kEdge: a
   // value at a time, few registers), zeros past the block's end.
@@ -1076,7 +1148,7 @@ __device__ inline void step_block4(const AdamWLaunch& L, const StepCoefs<float>&
         } else if constexpr (kIs16Bit<P>) {
           if (with_master) master[j] = mv[j];
           reinterpret_cast<uint16_t*>(p)[j] =
-              round_param<kIsHalf<P>>(pk, L.rounding, key, b.state + k + j);
+              round_param<kIsHalf<P>>(pk, L.rounding, key(), b.state + k + j);
         } else {
           p[j] = pk;
         }
@@ -1096,8 +1168,8 @@ __device__ inline void step_block4(const AdamWLaunch& L, const StepCoefs<float>&
       for (int h = 0; h < 2; ++h) {
         if (!kIsHalf<P> && ch.stochastic) {
           const int64_t at = b.state + k + 2 * h;
-          w[h] = round_pair_stochastic_bf16(pv[2 * h], pv[2 * h + 1], rounding_bits(key, at),
-                                            rounding_bits(key, at + 1));
+          w[h] = round_pair_stochastic_bf16(pv[2 * h], pv[2 * h + 1], rounding_bits(key(), at),
+                                            rounding_bits(key(), at + 1));
         } else {
           w[h] = round_pair_nearest16<kIsHalf<P>>(pv[2 * h], pv[2 * h + 1]);
         }
@@ -1139,17 +1211,18 @@ __device__ inline void step_block4(const AdamWLaunch& L, const StepCoefs<float>&
   }
 }
 
-// The 4-bit step over a launch's tiles: the blocks the lanes access directly (kEdges false:
-// adamw4_kernel) or the others (kEdges true: adamw4_edge_kernel), each in a kernel of its
-// own (Note [4-bit CUDA step]).
-template <typename P, typename G, bool AMSGRAD, bool kEdges, bool REM, typename Ch>
+// The 4-bit step over a launch's tiles, one pass (Pass8, as for 8 bits): the whole blocks of
+// flat tiles whose accesses are aligned for the lanes (adamw4_kernel), the whole, aligned
+// blocks inside rows that are not whole blocks (adamw4_rows_kernel, where AdamWLaunch::rows),
+// the others element by element (adamw4_edge_kernel); each a kernel of its own (Note [4-bit
+// CUDA step]).
+template <typename P, typename G, bool AMSGRAD, Pass8 kPass, bool REM, typename Ch>
 __device__ inline void step_tiles4(const AdamWLaunch& L, const Ch& ch) {
   const StepDecision d = decide_step(L.control);
   if (d.skip) return;  // parameters, moments and step counters stay bit-identical
   __shared__ Book4 book;
   __shared__ TileWalk<float> walks[kWarps8];  // Note [Warp tile walk]
   __shared__ UnitTile tiles[kThreads8];
-  __shared__ bool flat_direct[kThreads8];
   __shared__ float consts[5];
   book.fill(static_cast<int>(threadIdx.x));  // before the walk's barrier
   const int warp = static_cast<int>(threadIdx.x / 32);
@@ -1161,40 +1234,57 @@ __device__ inline void step_tiles4(const AdamWLaunch& L, const Ch& ch) {
   start_warp_walk(L, w, consts);
   StepCoefs<float> c;
   while (next_warp_tile<4>(L, d, lr, w, tile, consts, c)) {
-    const uint32_t key = ch.stochastic ? static_cast<const volatile TileWalk<float>&>(w).key : 0u;
+    const volatile UnitTile& vt = tile;
+    if (kPass == Pass8::kRows && vt.row == 0) continue;  // a flat tile: the other kernels'
     // A flat tile's blocks share their alignment (each starts kBlock4 elements and 64 bytes
     // of codes after the last): the first block's, decided once, holds for its whole ones.
-    // (Kept in shared memory with the tile, read for each block: Note [8-bit CUDA registers].)
-    Block4At first = block4_in(tile, 0);
-    first.n = kBlock;
-    flat_direct[threadIdx.x] =
-        tile.row == 0 && block4_direct<P, G, AMSGRAD, REM>(L, tile, first, has_master);
-    const volatile UnitTile& vt = tile;
-    const volatile bool& flat = flat_direct[threadIdx.x];
-    for (int32_t kb = warp * kBlock; kb < vt.count; kb += kWarps8 * kBlock) {
-      const Block4At b = block4_in(tile, kb);
-      const bool direct = vt.row == 0 ? flat && b.n == kBlock
-                                      : block4_direct<P, G, AMSGRAD, REM>(L, tile, b, has_master);
-      if (direct == kEdges) continue;  // the other kernel's block
-      step_block4<P, G, AMSGRAD, kEdges, REM>(L, c, book, tile, b, key, ch);
+    bool flat = false;
+    if (kPass != Pass8::kRows && vt.row == 0) {
+      Block4At first = block4_in<false>(tile, 0);
+      first.n = kBlock;
+      flat = block4_direct<P, G, AMSGRAD, REM>(L, tile, first, has_master);
+    }
+    const int32_t whole = flat ? vt.count / kBlock * kBlock : 0;  // the blocks stepped directly
+    if constexpr (kPass == Pass8::kDirect) {
+      for (int32_t kb = warp * kBlock; kb < whole; kb += kWarps8 * kBlock) {
+        step_block4<P, G, AMSGRAD, false, REM>(L, c, book, tile, block4_in<false>(tile, kb), w, ch);
+      }
+    } else {  // rows: their direct blocks; edges: the others
+      for (int32_t kb = whole + warp * kBlock; kb < vt.count; kb += kWarps8 * kBlock) {
+        const Block4At b = block4_in(tile, kb);
+        const bool direct =
+            vt.row != 0 && block4_direct<P, G, AMSGRAD, REM>(L, tile, b, has_master);
+        if (direct != (kPass == Pass8::kRows)) continue;  // the other kernel's block
+        step_block4<P, G, AMSGRAD, kPass == Pass8::kEdges, REM>(L, c, book, tile, b, w, ch);
+      }
     }
   }
 }
 
 template <typename P, typename G, bool AMSGRAD, bool REM, bool kMaster, bool kStochastic, bool kL2>
 __global__ void __launch_bounds__(kThreads8, kBlocksPerSm8) adamw4_kernel(AdamWLaunch L) {
-  step_tiles4<P, G, AMSGRAD, false, REM>(L, Choice8<kMaster, kStochastic, kL2>{});
+  step_tiles4<P, G, AMSGRAD, Pass8::kDirect, REM>(L, Choice8<kMaster, kStochastic, kL2>{});
+}
+
+template <typename P, typename G, bool AMSGRAD, bool REM, bool kMaster, bool kStochastic>
+__global__ void __launch_bounds__(kThreads8, kBlocksPerSm8) adamw4_rows_kernel(AdamWLaunch L) {
+  step_tiles4<P, G, AMSGRAD, Pass8::kRows, REM>(L,
+                                                ChoiceRows<kMaster, kStochastic>{choice8_of(L).l2});
 }
 
 template <typename P, typename G, bool AMSGRAD, bool REM>
 __global__ void __launch_bounds__(kThreads8, kBlocksPerSm8) adamw4_edge_kernel(AdamWLaunch L) {
-  step_tiles4<P, G, AMSGRAD, true, REM>(L, choice8_of(L));
+  step_tiles4<P, G, AMSGRAD, Pass8::kEdges, REM>(L, choice8_of(L));
 }
 
 struct Kernels4 {
   template <typename P, typename G, bool AMSGRAD, bool REM, bool kM, bool kS, bool kL2>
   static auto direct() {
     return adamw4_kernel<P, G, AMSGRAD, REM, kM, kS, kL2>;
+  }
+  template <typename P, typename G, bool AMSGRAD, bool REM, bool kM, bool kS>
+  static auto rows() {
+    return adamw4_rows_kernel<P, G, AMSGRAD, REM, kM, kS>;
   }
   template <typename P, typename G, bool AMSGRAD, bool REM>
   static auto edge() {

@@ -9,6 +9,7 @@
 #include <memory>
 #include <string>
 
+#include "adamw_math.h"
 #include "bindings.h"
 #include "cuda_fp16.h"
 #include "cuda_sim.h"
@@ -30,6 +31,14 @@ void set_schedule(const std::string& name) {
   }
 }
 
+// Whether adamw() launches the low-bit edge kernels: off, tests/test_cuda_sim.py sees which
+// blocks the direct kernels step on their own.
+bool& edge_kernels() {
+  static bool on = true;
+  return on;
+}
+void set_edge_kernels(bool on) { edge_kernels() = on; }
+
 void adamw(std::vector<at::Tensor> params, std::vector<at::Tensor> grads, const at::Tensor& exp_avg,
            const at::Tensor& exp_avg_sq, const std::optional<at::Tensor>& max_exp_avg_sq,
            const at::Tensor& steps, const at::Tensor& slots,
@@ -44,6 +53,7 @@ void adamw(std::vector<at::Tensor> params, std::vector<at::Tensor> grads, const 
       stats, clip_coef, lr, beta1, beta2, eps, weight_decay, max_grad_norm, maximize, master,
       lr_tensor, rounding, seed, decoupled, scales, ruda::kCudaTile);
   if (prep.table.empty()) return;  // as the CUDA operator
+  if (!edge_kernels()) prep.launch.edges = false;
   prep.launch.table = prep.table.data();
   ruda::adamw_cuda(prep.launch, nullptr);
 }
@@ -211,6 +221,20 @@ at::Tensor emulated_f16_toward_zero(const at::Tensor& x) {
   return out;
 }
 
+// The random bits of indices first .. first + n - 1 as the 8-bit edge kernels draw them
+// (rounding_high once, then rounding_high_at past a multiple of 2^32), for n < 2^32.
+at::Tensor rounding_bits_from(int64_t key, int64_t first, int64_t n) {
+  at::Tensor out = at::empty({n}, at::kLong);
+  const auto k = static_cast<uint32_t>(key);
+  const uint32_t high = ruda::rounding_high(k, first), low = static_cast<uint32_t>(first);
+  for (int64_t j = 0; j < n; ++j) {
+    const uint32_t at = low + static_cast<uint32_t>(j);
+    const uint32_t h = ruda::rounding_high_at(high, low, at, [k] { return k; });
+    out.data_ptr<int64_t>()[j] = ruda::rounding_mix(h, at);
+  }
+  return out;
+}
+
 // The grid the launch code sizes from the emulated device (kSimSms x kSimBlocksPerSm).
 int64_t resident_blocks() { return int64_t(ruda_sim::kSimSms) * ruda_sim::kSimBlocksPerSm; }
 
@@ -218,6 +242,7 @@ int64_t resident_blocks() { return int64_t(ruda_sim::kSimSms) * ruda_sim::kSimBl
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_schedule", &set_schedule);
+  m.def("set_edge_kernels", &set_edge_kernels);
   m.def("adamw", &adamw);
   m.def("adamw_far", &adamw_far);
   m.def("analyze", &analyze);
@@ -229,6 +254,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("dequantize_4bit", &dequantize_4bit);
   m.def("resident_blocks", &resident_blocks);
   m.def("f16_bits_toward_zero", &emulated_f16_toward_zero);
+  m.def("rounding_bits_from", &rounding_bits_from);
   py::class_<SimFlat, std::shared_ptr<SimFlat>>(m, "SimFlat");
   m.def("flat_new", &flat_new);
   m.def("flat_step", &flat_step);
