@@ -990,7 +990,7 @@ void launch_low_bit(const AdamWLaunch& L, cudaStream_t stream) {
 // blocks]) take the lanes' wide accesses in a third kernel (adamw4_rows_kernel, Pass8): the
 // rows and edge kernels ask block4_direct() of every block of such a tile, and all three
 // of a flat tile's first block once. In the direct kernel, the rows' mapping cost every
-// block 5 to 7 SASS per element (analyze.sh).
+// block 6 to 9 SASS per element (analyze.sh).
 
 // The block at index kb of a tile: its first element in the tensor, that element's state
 // index (masters, remainders, random bits), its first code's nibble, its scale in each
@@ -1052,7 +1052,7 @@ __device__ inline void step_block4(const AdamWLaunch& L, const StepCoefs<float>&
                                    const TileWalk<float>& walk, const Ch& ch) {
   constexpr int kMoments = AMSGRAD ? 3 : 2;
   // The key of the parameters' random bits (stochastic rounding): read once per block by the
-  // direct kernels, where each use by the edge kernel (no register held for it).
+  // direct and rows kernels, and at each use by the edge kernel (no register held for it).
   const volatile uint32_t& walk_key = static_cast<const volatile TileWalk<float>&>(walk).key;
   const uint32_t block_key = !kEdge && ch.stochastic ? walk_key : 0u;
   const auto key = [&] { return kEdge ? walk_key : block_key; };
