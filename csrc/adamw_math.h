@@ -342,7 +342,7 @@ RUDA_HOST_DEVICE inline uint32_t rounding_high(uint32_t key, int64_t index) {
 // from its first index's (`high`, and `low` its low 32 bits): `at` its low 32 bits, past
 // the crossing where it is below `low`, there the next high word. `key()` gives the key,
 // asked only then (the CUDA edge kernels read it from shared memory: Note [8-bit CUDA
-// registers]).
+// registers] in csrc/cuda/adamw_cuda.cu).
 template <typename Key>
 RUDA_HOST_DEVICE inline uint32_t rounding_high_at(uint32_t high, uint32_t low, uint32_t at,
                                                   const Key& key) {

@@ -504,12 +504,13 @@ __device__ inline Tile8<P, G> tile8(const AdamWLaunch& L, const UnitTile& tile, 
           n};
 }
 
-// Whether the lanes access the block `b` of a tile directly (Note [8-bit CUDA lanes]): its
-// elements 16-byte aligned (8 per lane, a quarter at a time), its masters and remainders
-// likewise, its codes 8-byte aligned. Every block of a flat tile shares the alignment of its
-// first (each starts kBlock8 elements and codes after the last); a block of rows that are
-// not whole blocks (Note [8-bit row blocks]) is asked on its own, and must also be whole and
-// keep its state indices' high 32 bits (the parameters' random bits, step_block8).
+// Whether the lanes access the block `b` of a tile directly (Note [8-bit CUDA lanes] in
+// cuda_utils.cuh): its elements 16-byte aligned (8 per lane, a quarter at a time), its
+// masters and remainders likewise, its codes 8-byte aligned. Every block of a flat tile
+// shares the alignment of its first (each starts kBlock8 elements and codes after the
+// last); a block of rows that are not whole blocks (Note [8-bit row blocks] in
+// csrc/quant8.h) is asked on its own, and must also be whole and keep its state indices'
+// high 32 bits (the parameters' random bits, step_block8).
 template <typename P, typename G, bool AMSGRAD, bool REM>
 __device__ inline bool block8_aligned(const AdamWLaunch& L, const Tile8<P, G>& b, bool has_master) {
   bool direct = is_aligned<16 / sizeof(P)>(b.p) && is_aligned<16 / sizeof(G)>(b.g) &&
