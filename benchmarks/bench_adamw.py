@@ -1144,6 +1144,9 @@ def environment(device: torch.device) -> dict:
         "ruda_torch": ruda_torch.__version__,
         "ruda_torch_compiled_backends": list(ruda_torch.compiled_backends()),
         "ruda_torch_cpu_isa": ruda_torch._build.CPU_ISA,
+        # torch's own CPU kernels (ATEN_CPU_CAPABILITY=avx2 makes an AVX-512 machine run
+        # its AVX2 ones, to compare with an AVX2 build of ours)
+        "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
     }
     try:
         with open("/proc/cpuinfo") as f:

@@ -166,7 +166,8 @@ def main(argv=None) -> int:
     env = environment(device)
     shape = f"{each // args.row} x {args.row}" if args.row else f"{each:,}"
     where = (f"GPU {env.get('gpu_name')}" if device.type == "cuda" else
-             f"CPU {env.get('cpu_model')}, {torch.get_num_threads()} threads")  # fmt: skip
+             f"CPU {env.get('cpu_model')}, {torch.get_num_threads()} threads, ruda_torch's "
+             f"{env['ruda_torch_cpu_isa']} build, torch's {env['torch_cpu_capability']} kernels")  # fmt: skip
     print(f"{n:,} FP32 elements in {args.tensors} tensors of {shape}; {where}, "
           f"torch {torch.__version__}", flush=True)  # fmt: skip
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)

@@ -284,9 +284,10 @@ def test_4bit_codec_gives_the_default_bits_on_every_class_of_value(
     isa, code, restore_isa, flush_denormal
 ):
     finite = _codec4_inputs(code)
-    # Blocks of non-finite values (the special scale) and a short last block among them.
+    # Blocks of non-finite values (the special scale) and a short last block among them (90
+    # elements: with AVX2 two pairs of vectors, one vector and two scalars).
     special = torch.tensor([float("inf"), -float("inf"), float("nan"), 0.5] * 32)
-    x = torch.cat([finite, special, finite[:70]])
+    x = torch.cat([finite, special, finite[:90]])
     codes, scales, values = _codec_on_both_builds(isa, 4, x, code)
     # Not vacuous: every code of a finite block occurs (signed: all but -0, code 8; unsigned:
     # all 16), and the special block's infinities and NaN.

@@ -19,9 +19,10 @@ namespace ruda {
 // any order). Decoding reads each code's ratio4 (csrc/quant4.h) from a book in shared memory
 // (Book4: the ratios of a byte's two codes in one load), times the scale's magnitude:
 // ratio4(code) |scale|, the CPU kernels' bits.
-// Encoding is quantize4 of csrc/quant4.h per element: the integer operations every backend
-// runs, so the same codes. A block with non-finite values (a negative scale) decodes and
-// codes through the special codes, the warp's branch.
+// Encoding goes through FP16 two codes at a time (Note [4-bit CUDA encode] below), as the
+// CPU's vector coders do: quantize4's codes (csrc/quant4.h). A block with non-finite values
+// (a negative scale) decodes and codes through the special codes element by element
+// (dequantize4_special, quantize4), the warp's branch.
 constexpr int kPerLane4 = static_cast<int>(kBlock4) / 32;
 static_assert(kPerLane4 == 4, "a lane holds 4 elements: 16 bits of codes");
 
@@ -63,13 +64,13 @@ __device__ inline void decode_lane4(uint32_t c, float s, const Book4& book, floa
   if constexpr (!kPairs) {
 #pragma unroll
     for (int j = 0; j < kPerLane4; ++j) x[j] = pair[(c >> (4 * j)) & 15u].x * a;
-    return;
-  }
+  } else {
 #pragma unroll
-  for (int h = 0; h < kPerLane4 / 2; ++h) {
-    const float2 r = pair[(c >> (8 * h)) & 255u];
-    x[2 * h] = r.x * a;
-    x[2 * h + 1] = r.y * a;
+    for (int h = 0; h < kPerLane4 / 2; ++h) {
+      const float2 r = pair[(c >> (8 * h)) & 255u];
+      x[2 * h] = r.x * a;
+      x[2 * h + 1] = r.y * a;
+    }
   }
 }
 

@@ -443,8 +443,9 @@ void update_span(const AdamWLaunch& L, const TensorEntry& e, const StepCoefs<Mat
 // coding each block after its update in 5 of 6 pairs (one 1.17x, a noisy machine): the
 // update is bound by its divisions and square roots, beside which the codes' integer
 // work fits (kPipelineCodes: AVX-512 only; the AVX2 build on the same machine was 1.1x
-// slower with it). The codec itself converts through FP16 where the ISA has it (Note
-// [8-bit codes through FP16] in quant8_vec.h).
+// slower with it, and 1.15-1.2x slower with the two-vector coder of Note [Codes of two
+// AVX2 vectors], its functions forced inline). The codec itself converts through FP16
+// where the ISA has it (Note [8-bit codes through FP16] in quant8_vec.h).
 // Every value is the one the per-pass code computes (the same scalar operations, lane by
 // lane), so codes and scales are bit for bit update_block_per_pass's and the CUDA kernel's. A block
 // with non-finite moments (a negative scale before the step, or an infinity or NaN after
@@ -523,6 +524,11 @@ struct Codes8 {
     cpu::encode8_store<kCode<kSigned>>(q, codes + j);
   }
   template <bool kSigned>
+  static inline int64_t vectors(const float* x, float inverse, uint8_t* codes, int64_t j,
+                                int64_t n) {
+    return cpu::encode8_vectors<kCode<kSigned>>(x, inverse, codes, j, n);
+  }
+  template <bool kSigned>
   static inline void tail(const float* x, float inverse, uint8_t* codes, int64_t j, int64_t n) {
     for (; j < n; ++j) codes[j] = encode8<kCode<kSigned>>(x[j] * inverse);
   }
@@ -548,6 +554,11 @@ struct Codes4 {  // two codes a byte: element j's at nibble j (j even at a byte 
   template <bool kSigned>
   static inline void vector(const Vec& y, uint8_t* codes, int64_t j) {
     cpu::encode4_store<kCode<kSigned>>(y, codes + j / 2);
+  }
+  template <bool kSigned>
+  static inline int64_t vectors(const float* x, float inverse, uint8_t* codes, int64_t j,
+                                int64_t n) {
+    return cpu::encode4_vectors<kCode<kSigned>>(x, inverse, codes, j, n);
   }
   template <bool kSigned>
   static inline void tail(const float* x, float inverse, uint8_t* codes, int64_t j, int64_t n) {
@@ -610,16 +621,20 @@ struct PendingCodes {
       }
     }
   }
-  // The codes from element j (a multiple of W) to the block's end: whole vectors, then the
-  // elements after the last one by scalars (the same codes: Note [8-bit codes through
-  // FP16] in quant8_vec.h); nothing pending after it.
+  // The codes from element j (a multiple of W) to the block's end, a moment at a time:
+  // whole vectors (two at a time with AVX2: Note [Codes of two AVX2 vectors] in
+  // quant8_vec.h), then the elements after the last one by scalars (the same codes: Note
+  // [8-bit codes through FP16] there); nothing pending after it.
   inline void code_from(int64_t j) {
     j = std::min(j, n / Vec::size() * Vec::size());  // a shorter block's last elements
-    for (; j + Vec::size() <= n; j += Vec::size()) code_vector(j);
-    if (j < n) {
-      if (x[0] != nullptr) Codes::template tail<true>(x[0], inverse[0], codes[0], j, n);
-      for (int q = 1; q < 3; ++q) {
-        if (x[q] != nullptr) Codes::template tail<false>(x[q], inverse[q], codes[q], j, n);
+    if (x[0] != nullptr) {
+      const int64_t k = Codes::template vectors<true>(x[0], inverse[0], codes[0], j, n);
+      Codes::template tail<true>(x[0], inverse[0], codes[0], k, n);
+    }
+    for (int q = 1; q < 3; ++q) {
+      if (x[q] != nullptr) {
+        const int64_t k = Codes::template vectors<false>(x[q], inverse[q], codes[q], j, n);
+        Codes::template tail<false>(x[q], inverse[q], codes[q], k, n);
       }
     }
     x[0] = x[1] = x[2] = nullptr;

@@ -143,6 +143,48 @@ inline void encode4_store(const VecF& y, uint8_t* dst) {
   std::memcpy(dst, &word, 4);
 #endif
 }
+
+#if defined(CPU_CAPABILITY_AVX2)
+// encode4_store of two vectors (y0's codes, then y1's: VecF::size() bytes), the 16-bit
+// half on 16 lanes (Note [Codes of two AVX2 vectors] in quant8_vec.h). The sign rides in
+// each FP16's bit 15 (round_through_fp16_x2 keeps it out of the rounding) instead of a
+// mask of its own, as the CUDA coder does (Note [4-bit CUDA encode]): after the rounding
+// it is bit 15 - kDrop, masked off the magnitude's code; the signed code takes it as bit
+// 3 where the magnitude (at most 7) is not 0. The unsigned code is at least 1 where y's
+// magnitude bits are not 0 (y is read as an integer: a = y 2^-12 may underflow to 0 where
+// y does not).
+template <Code4 kCode>
+inline void encode4_store2(const VecF& y0, const VecF& y1, uint8_t* dst) {
+  constexpr int kDrop = kCode == Code4::kSigned ? 9 : 8;
+  const __m256 k2m12 = _mm256_set1_ps(0x1p-12f);
+  __m256i code = round_through_fp16_x2<kDrop>(_mm256_mul_ps(y0, k2m12), _mm256_mul_ps(y1, k2m12));
+  const __m256i h_sign = code;  // the sign at bit 15 - kDrop (the magnitude below it)
+  code = _mm256_and_si256(code, _mm256_set1_epi16(15));
+  if constexpr (kCode == Code4::kSigned) {
+    const __m256i sign = _mm256_srli_epi16(h_sign, 3);  // bit 6 to bit 3
+    code = _mm256_or_si256(
+        code, _mm256_and_si256(_mm256_and_si256(sign, _mm256_add_epi16(code, _mm256_set1_epi16(7))),
+                               _mm256_set1_epi16(8)));
+  } else {
+    const __m256i magnitude = _mm256_set1_epi32(0x7FFFFFFF), one32 = _mm256_set1_epi32(1);
+    const __m256i nonzero0 =
+        _mm256_min_epu32(_mm256_and_si256(_mm256_castps_si256(y0), magnitude), one32);
+    const __m256i nonzero1 =
+        _mm256_min_epu32(_mm256_and_si256(_mm256_castps_si256(y1), magnitude), one32);
+    code = _mm256_max_epu16(
+        code, _mm256_permute4x64_epi64(_mm256_packus_epi32(nonzero0, nonzero1), 0xD8));
+  }
+  // Each 32-bit lane holds c(2i) | c(2i+1) << 16: its low byte c(2i) | c(2i+1) << 4; the
+  // low bytes of each 128-bit half, then the halves' 4 bytes side by side.
+  const __m256i pairs = _mm256_or_si256(code, _mm256_srli_epi32(code, 12));
+  const __m256i bytes = _mm256_shuffle_epi8(
+      pairs, _mm256_setr_epi8(0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, 0, 4, 8,
+                              12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1));
+  _mm_storel_epi64(
+      reinterpret_cast<__m128i*>(dst),
+      _mm_unpacklo_epi32(_mm256_castsi256_si128(bytes), _mm256_extracti128_si256(bytes, 1)));
+}
+#endif
 #else
 // The portable build steps 4-bit blocks the per-pass way (Note [One pass per 4-bit block]);
 // these lane-by-lane forms only keep the shared code compiling.
@@ -201,6 +243,24 @@ inline void encode4_tail(const float* x, float inverse, uint8_t* codes, int64_t 
   if (j < n) codes[j >> 1] = static_cast<uint8_t>(quantize4<kCode>(x[j], inverse, false));
 }
 
+// The codes of x[j, n) (j even; finite values) coded with `inverse` (block_inverse4 of the
+// block's scale), by whole vectors from j: two at a time with AVX2 (Note [Codes of two
+// AVX2 vectors] in quant8_vec.h), then one. Returns where the vectors ended (the rest is
+// encode4_tail's).
+template <Code4 kCode>
+inline int64_t encode4_vectors(const float* x, float inverse, uint8_t* codes, int64_t j,
+                               int64_t n) {
+  constexpr int64_t W = VecF::size();
+  const VecF inv(inverse);
+#if defined(CPU_CAPABILITY_AVX2)
+  for (; j + 2 * W <= n; j += 2 * W) {
+    encode4_store2<kCode>(VecF::loadu(x + j) * inv, VecF::loadu(x + j + W) * inv, codes + j / 2);
+  }
+#endif
+  for (; j + W <= n; j += W) encode4_store<kCode>(VecF::loadu(x + j) * inv, codes + j / 2);
+  return j;
+}
+
 // encode_block4 of a block's n values x (codes from a byte boundary), the largest of their
 // magnitude_bits being `largest`: a block of finite values by vectors (and its last pair by
 // scalars), one with non-finite values by encode_block4 itself. The same codes and scale.
@@ -213,11 +273,7 @@ inline void code_block4(const float* x, int64_t n, uint32_t largest, uint8_t* co
   const float s = block_scale(largest, false);
   *scale = s;
   const float inverse = block_inverse4<kCode>(s);
-  int64_t j = 0;
-  for (; j + VecF::size() <= n; j += VecF::size()) {
-    encode4_store<kCode>(VecF::loadu(x + j) * VecF(inverse), codes + j / 2);
-  }
-  encode4_tail<kCode>(x, inverse, codes, j, n);
+  encode4_tail<kCode>(x, inverse, codes, encode4_vectors<kCode>(x, inverse, codes, 0, n), n);
 }
 
 // decode_block4 of a block's n codes into out: by vectors where the scale is finite and not
