@@ -243,22 +243,18 @@ inline void encode4_tail(const float* x, float inverse, uint8_t* codes, int64_t 
   if (j < n) codes[j >> 1] = static_cast<uint8_t>(quantize4<kCode>(x[j], inverse, false));
 }
 
-// The codes of x[j, n) (j even; finite values) coded with `inverse` (block_inverse4 of the
-// block's scale), by whole vectors from j: two at a time with AVX2 (Note [Codes of two
-// AVX2 vectors] in quant8_vec.h), then one. Returns where the vectors ended (the rest is
-// encode4_tail's).
+// The 4-bit codes of x[j, n) (j even; finite values) by code_vectors (quant8_vec.h: two
+// vectors at a time with AVX2, Note [Codes of two AVX2 vectors]); the rest is
+// encode4_tail's.
 template <Code4 kCode>
 inline int64_t encode4_vectors(const float* x, float inverse, uint8_t* codes, int64_t j,
                                int64_t n) {
-  constexpr int64_t W = VecF::size();
-  const VecF inv(inverse);
-#if defined(CPU_CAPABILITY_AVX2)
-  for (; j + 2 * W <= n; j += 2 * W) {
-    encode4_store2<kCode>(VecF::loadu(x + j) * inv, VecF::loadu(x + j + W) * inv, codes + j / 2);
-  }
-#endif
-  for (; j + W <= n; j += W) encode4_store<kCode>(VecF::loadu(x + j) * inv, codes + j / 2);
-  return j;
+  return code_vectors(
+      x, inverse, j, n,
+      [codes](const VecF& y, int64_t k) { encode4_store<kCode>(y, codes + k / 2); },
+      [codes](const auto& y0, const auto& y1, int64_t k) {
+        encode4_store2<kCode>(y0, y1, codes + k / 2);
+      });
 }
 
 // encode_block4 of a block's n values x (codes from a byte boundary), the largest of their

@@ -349,21 +349,40 @@ inline void encode8_store(const VecF& q, uint8_t* dst) {
 }
 #endif
 
-// The codes of x[j, n) coded with `inverse` (block_inverse of the block's scale; finite
-// values), by whole vectors from j: two at a time with AVX2 (Note [Codes of two AVX2
-// vectors]), then one. Returns where the vectors ended (the rest is the caller's).
+// Whether the coders take two vectors at a time (Note [Codes of two AVX2 vectors]).
+#if defined(CPU_CAPABILITY_AVX2)
+constexpr bool kCodesInPairs = true;
+#else
+constexpr bool kCodesInPairs = false;
+#endif
+
+// The whole vectors of x[j, n) times `inverse` (a block's values, block_inverse or
+// block_inverse4 of its scale), from j: two at a time where kCodesInPairs (pair(y0, y1, k),
+// generic so that other builds never instantiate it), then one (one(y, k)). Returns where
+// the vectors ended (the elements after them are the caller's, by scalars).
+template <typename One, typename Pair>
+inline int64_t code_vectors(const float* x, float inverse, int64_t j, int64_t n, const One& one,
+                            const Pair& pair) {
+  constexpr int64_t W = VecF::size();
+  const VecF inv(inverse);
+  if constexpr (kCodesInPairs) {
+    for (; j + 2 * W <= n; j += 2 * W) {
+      pair(VecF::loadu(x + j) * inv, VecF::loadu(x + j + W) * inv, j);
+    }
+  }
+  for (; j + W <= n; j += W) one(VecF::loadu(x + j) * inv, j);
+  return j;
+}
+
+// The 8-bit codes of x[j, n) (finite values) by code_vectors.
 template <Code8 kCode>
 inline int64_t encode8_vectors(const float* x, float inverse, uint8_t* codes, int64_t j,
                                int64_t n) {
-  constexpr int64_t W = VecF::size();
-  const VecF inv(inverse);
-#if defined(CPU_CAPABILITY_AVX2)
-  for (; j + 2 * W <= n; j += 2 * W) {
-    encode8_store2<kCode>(VecF::loadu(x + j) * inv, VecF::loadu(x + j + W) * inv, codes + j);
-  }
-#endif
-  for (; j + W <= n; j += W) encode8_store<kCode>(VecF::loadu(x + j) * inv, codes + j);
-  return j;
+  return code_vectors(
+      x, inverse, j, n, [codes](const VecF& y, int64_t k) { encode8_store<kCode>(y, codes + k); },
+      [codes](const auto& y0, const auto& y1, int64_t k) {
+        encode8_store2<kCode>(y0, y1, codes + k);
+      });
 }
 
 // A whole block x (kBlock8 finite values) coded with `inverse` (block_inverse of its
