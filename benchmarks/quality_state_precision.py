@@ -15,6 +15,10 @@ same initialization, batches and learning-rate schedule for every optimizer:
   torchao_8bit       torchao.optim.AdamW8bit (where torchao is installed)
   4bit               state_precision="4bit" (blockwise 4-bit moments, same threshold)
   torchao_4bit       torchao.optim.AdamW4bit (where torchao is installed)
+  emu4_nearest       the 4-bit format emulated in Python (benchmarks/emulated_4bit.py),
+                     its codes rounded to nearest as the kernels do
+  emu4_stochastic    the same, both moments' codes rounded stochastically
+  emu4_stochastic_v  the same, only exp_avg_sq's codes rounded stochastically
 
 and with the model's parameters in BF16 (forward, backward and gradients in BF16 too):
 
@@ -29,6 +33,14 @@ For the BF16 runs a checksum of the parameters' bits after every step is kept, a
 report says at which step two runs' parameters first differ (bf16p_master against
 bf16p_remainder: the first master that is an exact tie, Note [Remainder master] in
 csrc/adamw_math.h).
+
+With --drift, every run also keeps the exact moments of the gradients it was given (FP64
+running averages, beside the optimizer, of the tensors of at least 4096 elements) and
+reports, at each progress line and at the end, how far the optimizer's moments (decoded)
+have drifted from them: the median ratio of its exp_avg_sq to the exact one, and the
+update m / (sqrt(v) + eps) from its moments against the exact moments' (relative L2
+error, ratio of norms). Rounding to nearest loses the second moment's small steps
+(docs/performance.md, "The second moment's drift").
 
 Reported: the validation loss (mean cross-entropy in nats per byte over fixed held-out
 windows) after training, each run's relative difference to fp32, and the time per step.
@@ -52,6 +64,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_adamw import environment  # noqa: E402
+from emulated_4bit import MIN_SIZE, Emulated4bit  # noqa: E402
 
 import ruda_torch  # noqa: E402
 
@@ -110,6 +123,11 @@ class ByteLM(nn.Module):
         return self.head(self.ln(x))
 
 
+RUNS = ("fp32", "bf16", "bf16_nearest", "8bit", "torch", "torchao_8bit", "4bit", "torchao_4bit",
+        "emu4_nearest", "emu4_stochastic", "emu4_stochastic_v", "bf16p_torch", "bf16p_rounded",
+        "bf16p_master", "bf16p_remainder", "bf16p_remainder_8bit")  # fmt: skip
+
+
 def make_optimizer(name: str, params):
     if name == "torch":
         return torch.optim.AdamW(params, **HYPER)
@@ -123,6 +141,11 @@ def make_optimizer(name: str, params):
         return AdamW4bit(params, **HYPER)
     if name == "bf16p_torch":
         return torch.optim.AdamW(params, **HYPER, fused=True)
+    if name.startswith("emu4_"):
+        m, v = dict(emu4_nearest=("nearest", "nearest"),
+                    emu4_stochastic=("stochastic", "stochastic"),
+                    emu4_stochastic_v=("nearest", "stochastic"))[name]  # fmt: skip
+        return Emulated4bit(params, **HYPER, rounding_exp_avg=m, rounding_exp_avg_sq=v)
     kw = dict(fused_step=True, rounding_seed=1)
     if name.startswith("bf16p_master"):
         kw["master_weights"] = True
@@ -168,6 +191,67 @@ def evaluate(model, val: torch.Tensor, context: int, windows: int) -> float:
     return total / count
 
 
+class Drift:
+    """The exact moments of the gradients a run's optimizer is given, beside it, and how far
+    the optimizer's own (decoded) moments are from them (--drift)."""
+
+    def __init__(self, model, opt):
+        self.model, self.opt = model, opt
+        self.params = [p for p in model.parameters() if p.numel() >= MIN_SIZE]
+        self.m = [torch.zeros_like(p, dtype=torch.float64) for p in self.params]
+        self.v = [torch.zeros_like(p, dtype=torch.float64) for p in self.params]
+        self.t = 0
+
+    @torch.no_grad()
+    def track(self):
+        """After the gradients are final (clipped), before the optimizer's step."""
+        b1, b2 = HYPER["betas"]
+        self.t += 1
+        for p, m, v in zip(self.params, self.m, self.v, strict=True):
+            g = p.grad.double()
+            m.mul_(b1).add_(g, alpha=1 - b1)
+            v.mul_(b2).addcmul_(g, g, value=1 - b2)
+
+    def decoded(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The optimizer's moments of self.params, flat, FP64."""
+        if isinstance(self.opt, ruda_torch.AdamW):
+            state = ruda_torch.dequantize_state_dict(self.opt.state_dict())["state"]
+            index = {id(p): i for i, p in enumerate(self.model.parameters())}
+            entries = [state[index[id(p)]] for p in self.params]
+        else:
+            entries = [self.opt.state[p] for p in self.params]
+
+        def flat(key):
+            out = []
+            for e in entries:
+                x = e[key]
+                x = x.dequantize() if hasattr(x, "dequantize") else x  # torchao's subclasses
+                out.append(x.detach().double().reshape(-1))
+            return torch.cat(out)
+
+        return flat("exp_avg"), flat("exp_avg_sq")
+
+    def report(self) -> dict:
+        b1, b2 = HYPER["betas"]
+        eps = HYPER["eps"]
+        qm, qv = self.decoded()
+        m = torch.cat([x.reshape(-1) for x in self.m])
+        v = torch.cat([x.reshape(-1) for x in self.v])
+        bc1, bc2 = 1 - b1**self.t, 1 - b2**self.t
+        u = (m / bc1) / ((v / bc2).sqrt() + eps)
+        uq = (qm / bc1) / ((qv / bc2).sqrt() + eps)
+        positive = v > 0
+        return dict(step=self.t,
+                    v_ratio_median=(qv[positive] / v[positive]).median().item(),
+                    update_error=((uq - u).norm() / u.norm()).item(),
+                    update_norm_ratio=(uq.norm() / u.norm()).item())  # fmt: skip
+
+
+def drift_line(d: dict) -> str:
+    return (f"exp_avg_sq / exact {d['v_ratio_median']:.3f} (median), update error "
+            f"{d['update_error']:.3f}, |update| / exact {d['update_norm_ratio']:.3f}")  # fmt: skip
+
+
 def checksum(model) -> int:
     """A position-weighted sum of the BF16 parameters' bits: equal runs, equal sums."""
     total = 0
@@ -193,6 +277,8 @@ def train(name, train_data, val_data, args, seed: int) -> dict:
             * (1 + math.cos(math.pi * min(s, args.steps) / args.steps))
         ),
     )
+    drift = Drift(model, opt) if args.drift else None
+    drifts = []
     t0 = time.perf_counter()
     losses = []
     data = batches(train_data, args.steps, args.batch, args.context, seed + 7)
@@ -201,6 +287,8 @@ def train(name, train_data, val_data, args, seed: int) -> dict:
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        if drift:
+            drift.track()
         opt.step()
         sched.step()
         losses.append(loss.item())
@@ -210,11 +298,14 @@ def train(name, train_data, val_data, args, seed: int) -> dict:
             recent = sum(losses[-20:]) / len(losses[-20:])
             print(f"  {name} (seed {seed}): step {step + 1}/{args.steps}, train loss {recent:.4f}, "
                   f"{(time.perf_counter() - t0) / (step + 1) * 1e3:.0f} ms/step", flush=True)  # fmt: skip
-    seconds = time.perf_counter() - t0
+            if drift:
+                drifts.append(drift.report())
+                print(f"    drift: {drift_line(drifts[-1])}", flush=True)
+    seconds = time.perf_counter() - t0  # with --drift, its measurements included
     val = evaluate(model, val_data, args.context, args.val_windows)
     print(f"  {name} (seed {seed}): validation loss {val:.4f} nats/byte", flush=True)
     return dict(val_loss=val, train_loss_last=sum(losses[-20:]) / 20, seconds=seconds,
-                ms_per_step=seconds / args.steps * 1e3, checksums=sums)  # fmt: skip
+                ms_per_step=seconds / args.steps * 1e3, checksums=sums, drift=drifts)  # fmt: skip
 
 
 def main(argv=None) -> int:
@@ -226,8 +317,16 @@ def main(argv=None) -> int:
     ap.add_argument("--val-windows", type=int, default=512)
     ap.add_argument("--seeds", default="0", help="comma-separated: initialization and batch order")
     ap.add_argument("--runs", default="fp32,bf16,bf16_nearest,8bit,torch,torchao_8bit")
+    ap.add_argument("--lr", type=float, default=HYPER["lr"], help="peak learning rate")
+    ap.add_argument("--drift", action="store_true",
+                    help="measure the optimizer's moments against the exact ones (slower)")  # fmt: skip
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
+    unknown = [n for n in args.runs.split(",") if n not in RUNS]
+    if unknown:
+        ap.error(f"--runs: unknown run {', '.join(map(repr, unknown))}; the runs are "
+                 f"{', '.join(RUNS)}")  # fmt: skip
+    HYPER["lr"] = args.lr
     train_data, val_data, n_train, n_val = corpus(args.max_bytes)
     env = environment(torch.device("cpu"))
     print(f"stdlib text: {train_data.numel():,} training bytes ({n_train} files), "
@@ -252,15 +351,22 @@ def main(argv=None) -> int:
     ref = {s: r["val_loss"] for s, r in zip(seeds, fp32, strict=False)}
     print("\nvalidation loss (nats/byte) per seed, and the mean; vs fp32: the mean of the "
           "per-seed relative differences")  # fmt: skip
-    print(f"{'run':<15}" + "".join(f"{'seed ' + str(s):>11}" for s in seeds)
+    width = max([15] + [len(name) + 2 for name in results])
+    print(f"{'run':<{width}}" + "".join(f"{'seed ' + str(s):>11}" for s in seeds)
           + f"{'mean':>10}{'vs fp32':>10}{'ms/step':>9}")  # fmt: skip
     for name, r in results.items():
         vals = [x["val_loss"] for x in r["per_seed"]]
         rel = [v / ref[s] - 1 for s, v in zip(seeds, vals, strict=True) if s in ref]
         r["vs_fp32"] = sum(rel) / len(rel) if rel else None
-        print(f"{name:<15}" + "".join(f"{v:>11.4f}" for v in vals) + f"{r['val_loss']:>10.4f}"
+        print(f"{name:<{width}}" + "".join(f"{v:>11.4f}" for v in vals) + f"{r['val_loss']:>10.4f}"
               + (f"{r['vs_fp32']:>+10.2%}" if rel else f"{'-':>10}")
               + f"{r['ms_per_step']:>9.0f}")  # fmt: skip
+    if args.drift:
+        print("\nmoments after the last step against the exact ones of the same gradients:")
+        for name, r in results.items():
+            for s, x in zip(seeds, r["per_seed"], strict=True):
+                if x["drift"]:
+                    print(f"  {name} (seed {s}): {drift_line(x['drift'][-1])}")
     for a, b in (("bf16p_master", "bf16p_remainder"), ("bf16p_master", "bf16p_torch")):
         if a in results and b in results:
             for s, ra, rb in zip(seeds, results[a]["per_seed"], results[b]["per_seed"],
