@@ -194,6 +194,10 @@ def build(env: dict) -> None:
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True)
 
 
+# The longest a mutant's tests may run (the unmutated selections take under a minute).
+MUTANT_TIMEOUT_S = 600
+
+
 def run(index, name, file, mutate, select, sanitizer) -> tuple[bool, str]:
     """(whether the mutant is caught (its tests fail), the line that says so)."""
     sys.path.insert(0, str(ROOT / "tests" / "cuda_sim"))
@@ -208,11 +212,22 @@ def run(index, name, file, mutate, select, sanitizer) -> tuple[bool, str]:
     if sanitizer:
         env.update(sanitizer_env(sanitizer))
         build(dict(env, LD_PRELOAD=""))  # the compiler must not run under the sanitizer
-    proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "tests/test_cuda_sim.py", "-q", "-x", "-p",
-         "no:cacheprovider", "-k", select],
-        cwd=ROOT, env=env, capture_output=True, text=True,
-    )  # fmt: skip
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-m", "pytest", "tests/test_cuda_sim.py", "-q", "-x", "-p",
+             "no:cacheprovider", "-k", select],
+            cwd=ROOT, env=env, capture_output=True, text=True, timeout=MUTANT_TIMEOUT_S,
+        )  # fmt: skip
+    except subprocess.TimeoutExpired:
+        # A mutant can leave the emulated threads waiting on each other forever (one
+        # mutant's selection once waited 21 minutes with every thread idle). A hang is
+        # a mutant its tests caught, as a real GPU would time out, and it must not stall
+        # the run: the unmutated selections take under a minute.
+        took = time.monotonic() - start
+        return (
+            True,
+            f"caught  {name} ({took:.0f} s): its tests hung (killed after {MUTANT_TIMEOUT_S} s)",
+        )
     took = time.monotonic() - start
     tail = (proc.stdout + proc.stderr).strip().splitlines()
     summary = next((line for line in reversed(tail) if "passed" in line or "failed" in line
